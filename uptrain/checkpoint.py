@@ -1,0 +1,192 @@
+"""Reading a source checkpoint: resolve a local folder or Hub id, list its tensors, read one at a time.
+
+Only metadata is read up front (names, shapes, dtypes from safetensors headers). `read` loads a
+single tensor, so converting never holds the whole model. `.bin` files are read only through
+`torch.load(weights_only=True)` (no pickled code runs) and only when no safetensors exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from uptrain.errors import UsageError
+
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".pkl")
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+# What a Hub download fetches: everything a converted folder needs except weights of the other format.
+_HUB_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "LICENSE*", "*.md"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One source tensor: its name, the file holding it, shape and dtype (no data)."""
+
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+
+@dataclass
+class SourceCheckpoint:
+    """A checkpoint folder's config (raw config.json) and the metadata of all its tensors."""
+
+    path: Path
+    config: dict[str, Any]
+    format: Literal["safetensors", "bin"]
+    tensors: list[TensorInfo]
+    _bin_cache: tuple[Path, dict[str, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """Load one tensor. Safetensors files are opened per tensor so no mapping outlives it."""
+        if self.format == "safetensors":
+            try:
+                with safe_open(info.file, framework="pt") as f:
+                    return f.get_tensor(info.name)
+            except SafetensorError as err:
+                raise UsageError(f"cannot read {info.name} from {info.file.name}: {err}; "
+                                 f"the file is truncated or corrupted, download it again") from err
+        if self._bin_cache is None or self._bin_cache[0] != info.file:
+            self._bin_cache = (info.file, _load_bin(info.file))
+        return self._bin_cache[1][info.name]
+
+
+def resolve_source(ckpt: str, revision: str | None = None) -> Path:
+    """A local checkpoint folder, or a Hub model id downloaded (or found in the cache) by huggingface_hub."""
+    local = Path(ckpt).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise UsageError(f"{ckpt} is a file; pass the checkpoint folder that holds config.json")
+        return local.resolve()
+    if ckpt.startswith((".", "/", "~")) or ckpt.count("/") > 1 or os.sep in ckpt.replace("/", ""):
+        raise UsageError(f"checkpoint folder {ckpt} does not exist; check the path")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    try:
+        folder = Path(snapshot_download(ckpt, revision=revision, allow_patterns=_HUB_PATTERNS + ["*.safetensors"]))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(ckpt, revision=revision, allow_patterns=_HUB_PATTERNS + ["*.bin"]))
+    except HFValidationError as err:
+        raise UsageError(f"{ckpt!r} is neither a local folder nor a valid Hub model id") from err
+    except (RepositoryNotFoundError, GatedRepoError) as err:
+        raise UsageError(f"Hub model {ckpt!r} not found or not accessible; check the id or log in "
+                         f"with `hf auth login`") from err
+    except RevisionNotFoundError as err:
+        raise UsageError(f"Hub model {ckpt!r} has no revision {revision!r}") from err
+    except (LocalEntryNotFoundError, OSError) as err:
+        raise UsageError(f"cannot reach the Hugging Face Hub and {ckpt!r} (revision {revision or 'main'}) "
+                         f"is not in the local cache; download it where the Hub is reachable, or pass "
+                         f"a local checkpoint folder") from err
+    return folder
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) .bin files cannot be memory-mapped
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling refused or corrupt archive
+        raise UsageError(f"cannot read {file.name} safely ({type(err).__name__}); "
+                         f"convert it to safetensors first") from err
+
+
+def _indexed_files(folder: Path, index_name: str) -> dict[str, Path]:
+    """tensor name -> shard path from an index file, refusing shards outside the folder."""
+    try:
+        weight_map = json.loads((folder / index_name).read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{index_name} is not a valid index (no weight_map); fix or remove it") from err
+    files: dict[str, Path] = {}
+    for name, shard in weight_map.items():
+        path = (folder / shard).resolve()
+        if path.parent != folder.resolve():
+            raise UsageError(f"{index_name} names shard {shard!r} outside the checkpoint folder; refusing it")
+        if not path.is_file():
+            raise UsageError(f"{index_name} names shard {shard!r}, which is missing; download it again")
+        files[name] = path
+    return files
+
+
+def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) -> list[TensorInfo]:
+    infos: list[TensorInfo] = []
+    wanted = None if name_to_file is None else set(name_to_file)
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if wanted is not None and name_to_file.get(name) != file.resolve():
+                        continue
+                    s = f.get_slice(name)
+                    infos.append(TensorInfo(name, file, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()]))
+        except SafetensorError as err:
+            raise UsageError(f"{file.name} is not a readable safetensors file ({err}); "
+                             f"it is truncated or corrupted, download it again") from err
+    if wanted is not None:
+        missing = wanted - {i.name for i in infos}
+        if missing:
+            raise UsageError(f"the index names {len(missing)} tensor(s) missing from their shards "
+                             f"(e.g. {sorted(missing)[0]}); the checkpoint is incomplete")
+    return infos
+
+
+def open_checkpoint(folder: Path) -> SourceCheckpoint:
+    """Read config.json and the tensor metadata of a checkpoint folder."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UsageError(f"{folder} has no config.json; pass a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{config_path} is not valid JSON ({err.msg}, line {err.lineno})") from err
+    if (folder / SAFE_INDEX).is_file():
+        name_to_file = _indexed_files(folder, SAFE_INDEX)
+        files = sorted(set(name_to_file.values()))
+        return SourceCheckpoint(folder, config, "safetensors", _safetensors_infos(name_to_file, files))
+    safetensors_files = sorted(folder.glob("*.safetensors"))
+    if safetensors_files:
+        return SourceCheckpoint(folder, config, "safetensors", _safetensors_infos(None, safetensors_files))
+    if (folder / BIN_INDEX).is_file():
+        bin_files = sorted(set(_indexed_files(folder, BIN_INDEX).values()))
+    else:
+        bin_files = sorted(folder.glob("pytorch_model*.bin"))
+    if not bin_files:
+        raise UsageError(f"{folder} has no weights (*.safetensors or pytorch_model*.bin); "
+                         f"download the weight files too")
+    infos = [TensorInfo(name, file, tuple(t.shape), t.dtype)
+             for file in bin_files for name, t in _load_bin(file).items()]
+    return SourceCheckpoint(folder, config, "bin", infos)
+
+
+def auxiliary_files(folder: Path) -> list[Path]:
+    """Files to copy beside the converted weights: tokenizer, generation config, licences.
+
+    Not copied: weights and their indexes, config.json and README.md (both rewritten), and
+    Python files (remote code is never carried along).
+    """
+    skip = {"config.json", "README.md", SAFE_INDEX, BIN_INDEX}
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name not in skip
+                  and p.suffix not in WEIGHT_SUFFIXES and p.suffix != ".py")
