@@ -144,16 +144,37 @@ def check_output_path(out: Path, source: Path, force: bool) -> None:
         raise UsageError(f"output {out} is a file; choose a folder path")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Delete temporary folders for `out` left by killed runs (their process is gone)."""
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        pid = stale.name.rsplit("-", 2)[-2]
+        if stale.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextmanager
 def atomic_output_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block completes.
 
     On any error (disk full, a bad tensor, Ctrl-C) the temporary folder is removed and `out`
-    is untouched. An existing `out` is swapped out only after the new one is complete.
+    is untouched. An existing `out` is swapped out only after the new one is complete. A run
+    killed outright (SIGKILL) leaves only a hidden `.NAME.partial-PID-*` folder, which the next
+    run for the same output removes.
     """
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    remove_stale_partials(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
