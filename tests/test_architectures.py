@@ -136,3 +136,9 @@ def test_legacy_rope_fields_stay_as_the_source_wrote_them(tmp_path):
     assert out.pop("num_key_value_heads") == 1 and {k: v for k, v in cfg.items() if k != "num_key_value_heads"} == out
     loaded = load(tmp_path / "out")
     assert loaded.config.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_readme_table_is_the_registry():
+    from conftest import REPO
+    from uptrain.architectures import markdown_table
+    assert markdown_table() in (REPO / "README.md").read_text(), "run: python -m uptrain.architectures"

@@ -86,15 +86,17 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path):
                                           num_attention_heads=16, vocab_size=64)), tmp_path / "small")
     total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     largest = 2816 * 1024 * 4
+    # VmHWM is this process's own peak: ru_maxrss of a forked child would start at pytest's RSS
     script = textwrap.dedent(f"""
-        import resource
         from pathlib import Path
         from uptrain.convert import convert
+        def peak():
+            return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
         # warm up on a tiny model: first-use imports are not the conversion's working set
         convert("{small}", Path("{tmp_path / 'warm'}"), 4)
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        base = peak()
         convert("{src}", Path("{tmp_path / 'out'}"), 4, max_shard_size="100MB")
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+        print(peak() - base)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     growth = int(proc.stdout.strip().splitlines()[-1])

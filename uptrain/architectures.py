@@ -66,7 +66,7 @@ FAMILIES: tuple[Family, ...] = (
            notes="biases on q/k/v/dense; output named `dense`; partial rotary"),
     Family(("phi3",), (KVTensor(r"\.self_attn\.qkv_proj\.(?:weight|bias)$", "qkv"),),
            qkv_layout=("blocks", "blocks"), examples="microsoft/Phi-3-mini-4k-instruct (MHA)",
-           notes="fused qkv_proj rows [q | k | v]"),
+           notes="fused qkv_proj: rows are the q, k, v blocks in turn"),
     Family(("stablelm",),
            (_KV_PROJ, KVTensor(r"\.self_attn\.k_layernorm\.norms\.(\d+)\.(?:weight|bias)$", "head_list",
                                is_norm=True)),
@@ -78,8 +78,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(("olmo2", "olmo3"), (_KV_PROJ, KVTensor(r"\.self_attn\.k_norm\.weight$", is_norm=True)),
            examples="allenai/OLMo-2-0425-1B",
            approximate="k_norm is one RMSNorm over the whole K projection: its weight is pooled, "
-                       "but the RMS statistic over fewer heads differs, so even identical heads are "
-                       "only approximately preserved"),
+                       "but the RMS statistic is then taken over fewer, averaged heads, so the result "
+                       "is exact only when the heads of each group are identical"),
     Family(("falcon",), (KVTensor(r"\.self_attention\.query_key_value\.(?:weight|bias)$", "qkv"),),
            kv_field="num_kv_heads", when=(("new_decoder_architecture", True),),
            qkv_layout=("grouped", "grouped"), cache_shrinks=False,
@@ -109,7 +109,7 @@ UNSUPPORTED: dict[str, str] = {
     **{t: _NO_KV_SETTING for t in ("gpt2", "gpt_neox", "opt", "bloom", "gptj", "codegen", "mpt",
                                    "gpt_neo", "persimmon", "xglm")},
     **{t: "it uses multi-head latent attention (compressed K/V), not K/V heads to pool; MLA models "
-          "already have a small cache" for t in ("deepseek_v2", "deepseek_v3", "minicpm3", "kimi_k2")},
+          "already have a small cache" for t in ("deepseek_v2", "deepseek_v3", "minicpm3")},
 }
 
 
@@ -137,3 +137,24 @@ def family_for(config: dict[str, Any]) -> Family:
     raise UsageError(
         f"model type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
     )
+
+
+def markdown_table() -> str:
+    """The README's table of supported model types, generated from the registry."""
+    rows = ["| model type(s) | example public checkpoints | notes |", "|---|---|---|"]
+    for family in FAMILIES:
+        if family.refuse:
+            continue
+        when = ", ".join(f"{k}={v}" for k, v in family.when)
+        notes = "; ".join(x for x in (f"when {when}" if when else "", family.notes,
+                                      "kv-heads 1 only" if family.mqa_only and "only" not in family.notes else "",
+                                      f"approximate: {family.approximate}" if family.approximate else "") if x)
+        rows.append(f"| {', '.join(f'`{t}`' for t in family.model_types)} | {family.examples} | {notes} |")
+    refused = ", ".join(f"`{t}`" for t in UNSUPPORTED)
+    rows.append(f"| not convertible: {refused} | GPT-2, Pythia, OPT, BLOOM, GPT-J, MPT, DeepSeek-V2/V3 | "
+                "the error says why: no K/V-head setting in transformers, or latent attention |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
