@@ -52,6 +52,16 @@ def test_mha8_holds_twice_the_kv_cache_of_gqa4(kv_bytes) -> None:
     assert mha == 2 * 5 * 8 * 8 * 4 * CONTEXT  # K and V x layers x kv heads x head_dim x fp32
 
 
+@needs_shared
+def test_mha8_holds_four_times_the_kv_cache_of_its_2_kv_head_conversion(kv_bytes, tmp_path) -> None:
+    from uptrain.convert import convert
+    convert(str(MODELS / "stories260K-mha8"), tmp_path / "gqa2", 2)
+    mha, mha_formula = kv_bytes(MODELS / "stories260K-mha8")
+    gqa, gqa_formula = kv_bytes(tmp_path / "gqa2")
+    assert (mha, gqa) == (mha_formula, gqa_formula)
+    assert mha == 4 * gqa
+
+
 @pytest.mark.skipif(not CONFIGS.is_dir(), reason=f"shared configs not found at {CONFIGS}")
 @pytest.mark.parametrize("name, dtype, per_token", [
     ("llama-2-7b-hf", torch.float16, 512 * 1024),  # 32 layers x 32 kv heads x 128
