@@ -1,0 +1,138 @@
+"""Tokens/s of uptrain.train against a minimal hand-written PyTorch loop (same model, batch, dtype).
+
+    python scripts/bench_trainer.py --model ../shared/data/models/stories260K-gqa4 \
+        --data ../shared/data/corpora/tinystories-train-sample.txt --seq-len 256 --micro-batch 8 \
+        --grad-accum 2 --steps 40 --warmup 5 --repeats 3
+
+`--hidden N` replaces the model's weights by a random Llama of width N (same tokenizer and head
+layout) to see the overhead when compute dominates. Both loops run the same optimizer steps on
+the same packed blocks; throughput is measured over steps warmup+1..steps (first steps excluded).
+The trainer runs as a user would run it: progress bar, metrics JSON lines, TensorBoard on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from uptrain.data import DataSource
+from uptrain.losses import lm_loss_sum
+from uptrain.packing import load_blocks
+from uptrain.train import train
+from uptrain.train_config import load_config
+from uptrain.train_report import MetricsLog
+from uptrain.train_setup import make_optimizer
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"
+
+
+def random_model(source: str, hidden: int, layers: int, out: Path) -> str:
+    """Save a random Llama with `source`'s tokenizer and head layout but width `hidden`."""
+    config = AutoConfig.from_pretrained(source)
+    config.update({"hidden_size": hidden, "intermediate_size": int(hidden * 8 / 3) // 8 * 8,
+                   "num_hidden_layers": layers, "head_dim": hidden // config.num_attention_heads})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return str(out)
+
+
+def hand_loop(args, model_path: str) -> float:
+    """Tokens/s of the plainest correct loop: forward, loss, backward, clip, AdamW step."""
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    model.train()
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.mixed_precision == "bf16")
+    blocks = load_blocks(DataSource(files=[args.data]), AutoTokenizer.from_pretrained(model_path), args.seq_len)
+    blocks = blocks.with_format("torch")[:]["input_ids"].to(device)  # [n_blocks, seq_len]
+    optimizer = make_optimizer(model, load_config(DEMO, [f"model={model_path}", f"data.train.files=[{args.data}]"]).optim)
+    tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum
+    start = 0.0
+    for step in range(args.steps):
+        if step == args.warmup:
+            _sync()
+            start = time.perf_counter()
+        for i in range(args.grad_accum):
+            first = ((step * args.grad_accum + i) * args.micro_batch) % (len(blocks) - args.micro_batch)
+            ids = blocks[first:first + args.micro_batch]
+            with autocast:
+                logits = model(input_ids=ids).logits
+            loss_sum, n = lm_loss_sum(logits, ids)
+            (loss_sum / (n * args.grad_accum)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    _sync()
+    return (args.steps - args.warmup) * tokens_per_step / (time.perf_counter() - start)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def trainer(args, model_path: str, run_dir: Path) -> float:
+    """Tokens/s of uptrain.train over the same steps, from its own metrics log."""
+    tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum
+    overrides = [f"model={model_path}", f"run_dir={run_dir}", f"data.train.files=[{args.data}]",
+                 f"data.seq_len={args.seq_len}", f"batch.micro_batch={args.micro_batch}",
+                 f"batch.grad_accum={args.grad_accum}", f"budget.tokens={args.steps * tokens_per_step}",
+                 "eval.every=0", "eval.max_batches=1", "checkpoint.every=0", f"seed={args.seed}",
+                 "data.repeat_data=true", "overwrite=true", f"mixed_precision={args.mixed_precision}"]
+    train(load_config(DEMO, overrides))
+    # Each record's tok_per_s is tokens / seconds since the loop started: recover the seconds.
+    records = [r for r in MetricsLog(run_dir / "metrics.jsonl", True).read() if "loss" in r]
+    elapsed = {r["step"]: r["tokens"] / r["tok_per_s"] for r in records}
+    return (args.steps - args.warmup) * tokens_per_step / (elapsed[args.steps] - elapsed[args.warmup])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--hidden", type=int, default=0, help="random model of this width (0: the model as is)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--work", default=None, help="folder for the temporary model and runs")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="device peak (bf16 dense) for MFU")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        model_path = random_model(args.model, args.hidden, args.layers, Path(tmp) / "model") if args.hidden else args.model
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
+        hand, ours = [], []
+        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
+            hand.append(hand_loop(args, model_path))
+            ours.append(trainer(args, model_path, Path(tmp) / "run"))
+    h, o = statistics.median(hand), statistics.median(ours)
+    print(f"\n| model | params | seq_len x micro x accum | hand loop tok/s | trainer tok/s | overhead |")
+    print(f"|---|---|---|---|---|---|")
+    print(f"| {'random Llama w' + str(args.hidden) if args.hidden else Path(args.model).name} | {n_params:,} | "
+          f"{args.seq_len} x {args.micro_batch} x {args.grad_accum} | {h:,.0f} | {o:,.0f} | {(h - o) / h:+.1%} |")
+    print(f"runs (tok/s): hand {[round(x) for x in hand]}, trainer {[round(x) for x in ours]}; threads {torch.get_num_threads()}")
+    if args.peak_tflops:
+        # Training FLOPs per token: 6 x params (matmuls, forward + backward) + attention scores.
+        config = AutoConfig.from_pretrained(args.model)
+        layers = args.layers if args.hidden else config.num_hidden_layers
+        attention = 12 * layers * (args.hidden or config.hidden_size) * args.seq_len
+        per_token = 6 * n_params + attention
+        for name, rate in (("hand loop", h), ("trainer", o)):
+            print(f"MFU {name}: {rate * per_token / (args.peak_tflops * 1e12):.1%} "
+                  f"({rate * per_token / 1e12:.0f} TFLOP/s of {args.peak_tflops:.0f})")
+
+
+if __name__ == "__main__":
+    main()

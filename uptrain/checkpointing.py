@@ -1,0 +1,114 @@
+"""Run folders and atomic checkpoints on top of `accelerator.save_state` / `load_state`.
+
+Layout of a run folder:
+  run.yaml                 the config that started the run (identifies whose state this is)
+  checkpoints/checkpoint-00000100/   accelerate state + trainer_state.json (written last)
+  metrics.jsonl, <project>/ (TensorBoard), model/ (final Hugging Face folder), loss.png
+
+A checkpoint is written into `checkpoints/.tmp-...` and renamed once complete, and
+trainer_state.json is its completion mark: a folder without it is never taken as latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+from accelerate import Accelerator
+
+from uptrain.errors import UsageError
+
+STATE_FILE = "trainer_state.json"
+RUN_FILE = "run.yaml"
+# Config sections that decide the data order and the optimisation trajectory: a resumed run must
+# match them, or it would not continue the same run.
+_RUN_IDENTITY = ("model", "tokenizer", "seed", "data", "budget", "batch", "optim", "distill")
+_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Finished checkpoints of a run, oldest first."""
+    folder = run_dir / "checkpoints"
+    found = [p for p in folder.glob("checkpoint-*") if (p / STATE_FILE).is_file()] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrite: bool) -> Path | None:
+    """Check that `run_dir` may be used; return the checkpoint to resume from (or None).
+
+    Raises UsageError when the folder holds another run's state (unless `overwrite`), or when
+    `resume` names nothing usable.
+    """
+    run_file = run_dir / RUN_FILE
+    has_state = any((run_dir / name).exists() for name in _RUN_OUTPUTS)
+    if resume and overwrite:
+        raise UsageError("resume and overwrite=true contradict each other; choose one")
+    if resume is None:
+        if has_state and not overwrite:
+            raise UsageError(
+                f"run folder {run_dir} already holds a run; set resume=latest to continue it, "
+                "overwrite=true to replace it, or choose another run_dir"
+            )
+        return None
+    if run_file.is_file():
+        stored = yaml.safe_load(run_file.read_text()) or {}
+        changed = [key for key in _RUN_IDENTITY if stored.get(key) != config_dict.get(key)]
+        if changed:
+            raise UsageError(
+                f"run folder {run_dir} holds another run's state (differs in: {', '.join(changed)}); "
+                "use another run_dir or overwrite=true without resume"
+            )
+    if resume == "latest":
+        done = complete_checkpoints(run_dir)
+        return done[-1] if done else None  # nothing saved yet: start from the beginning
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise UsageError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    return path
+
+
+def clear_run_dir(run_dir: Path, tracker_dir: str) -> None:
+    """Remove a previous run's outputs (only what this trainer writes, incl. `tracker_dir`)."""
+    for name in (*_RUN_OUTPUTS, tracker_dir):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: int) -> Path:
+    """Save model/optimizer/RNG state + `state` (data position) atomically; keep the last `keep`.
+
+    Must be called on every process (accelerate gathers and writes per-process RNG state).
+    """
+    folder = run_dir / "checkpoints"
+    final = folder / f"checkpoint-{step:08d}"
+    tmp = folder / f".tmp-checkpoint-{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash while writing
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(tmp / STATE_FILE, "w") as f:  # completion mark, written after everything else
+            json.dump(state, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or nothing
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
+    """Restore the accelerate state in `path`; return its trainer state (step, samples, ...)."""
+    accelerator.load_state(str(path))
+    return json.loads((path / STATE_FILE).read_text())

@@ -1,0 +1,79 @@
+"""Where text comes from: a Hub dataset or local text/jsonl/parquet files, through `datasets`.
+
+`load_texts` is shared by the trainer and the evaluator so that both read data the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+
+from uptrain.errors import UsageError
+
+# File suffix -> the `datasets` builder that reads it.
+_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class DataSource:
+    """A text source: a Hub dataset (`dataset`, `config`, `split`) or local `files`.
+
+    Local `.txt` files give one document per line; `.jsonl`/`.json`/`.parquet` files give one
+    document per record, read from `text_field`. `streaming` reads a Hub dataset lazily, for
+    corpora too large to download whole.
+    """
+
+    dataset: str | None = None
+    config: str | None = None
+    split: str = "train"
+    files: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    streaming: bool = False
+
+    def validate(self) -> None:
+        """Raise UsageError when the source is not usable as given."""
+        if bool(self.dataset) == bool(self.files):
+            raise UsageError("give either a Hub dataset name or local files as the data source, not both or neither")
+        if self.files:
+            suffixes = {Path(f).suffix.lower() for f in self.files}
+            unknown = suffixes - set(_BUILDERS)
+            if unknown:
+                raise UsageError(
+                    f"unsupported data file type(s) {sorted(unknown)}; use one of {sorted(_BUILDERS)}"
+                )
+            builders = {_BUILDERS[s] for s in suffixes}
+            if len(builders) > 1:
+                raise UsageError(f"mixed data file types {sorted(suffixes)}; give files of one type per source")
+            missing = [f for f in self.files if not Path(f).is_file()]
+            if missing:
+                raise UsageError(f"data file not found: {missing[0]}; check the path")
+
+
+def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
+    """Load `source` as a dataset with one column, "text" (empty documents dropped)."""
+    source.validate()
+    if source.files:
+        builder = _BUILDERS[Path(source.files[0]).suffix.lower()]
+        files = [str(Path(f).resolve()) for f in source.files]
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=source.streaming)
+    else:
+        try:
+            ds = datasets.load_dataset(
+                source.dataset, source.config, split=source.split, streaming=source.streaming
+            )
+        except (FileNotFoundError, ConnectionError, ValueError) as err:
+            raise UsageError(
+                f"cannot load dataset {source.dataset!r} (split {source.split!r}): "
+                f"{str(err).splitlines()[0]}; check the name or use local files"
+            ) from err
+    columns = ds.column_names or []
+    if source.text_field not in columns:
+        raise UsageError(
+            f"data has no {source.text_field!r} column (columns: {columns}); set text_field"
+        )
+    ds = ds.select_columns([source.text_field])
+    if source.text_field != "text":
+        ds = ds.rename_column(source.text_field, "text")
+    return ds.filter(lambda row: bool(row["text"] and row["text"].strip()))
