@@ -1,0 +1,68 @@
+"""Tables and plots of the paper reproduction from results/paper/*.json (written by run.py).
+
+    python scripts/paper/report.py
+
+Writes results/paper/TABLE.md, alpha.csv, quality-vs-alpha.png and loss-curves.png. Works on
+partial results: missing cells show as "-".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from uptrain.plots import plot_quality_vs_alpha, plot_training_runs, read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "results" / "paper"
+RUNS = REPO / "runs" / "paper"
+KVS, METHODS, ALPHAS = (4, 2, 1), ("mean", "first", "random"), (0.0, 0.025, 0.05, 0.1)
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def cell(record: dict | None) -> str:
+    return f"{record['val_loss']:.3f}" if record else "-"
+
+
+def main() -> None:
+    mha = load("mha")
+    rows = []
+    lines = ["| K/V heads | method | " + " | ".join(f"alpha = {a}" for a in ALPHAS) + " |",
+             "|---|---|" + "---|" * len(ALPHAS)]
+    if mha:
+        lines.append(f"| 8 (MHA, pretrained on T = {mha['pretrain_tokens']:,} tokens) | - | {cell(mha)} | | | |")
+    for kv in KVS:
+        for method in METHODS:
+            records = [load(f"kv{kv}-{method}-alpha{0 if a == 0 else a}") for a in ALPHAS]
+            rows += [{"kv": kv, "method": method, "alpha": a, "val_loss": r["val_loss"]}
+                     for a, r in zip(ALPHAS, records) if r]
+            lines.append(f"| {kv} | {method} | " + " | ".join(cell(r) for r in records) + " |")
+    stories = [("stories260K-gqa4 (original, 4 K/V heads)", load("stories-gqa4"))]
+    for kv in (2, 1):
+        stories += [(f"-> {kv} K/V heads, converted (mean)", load(f"stories-kv{kv}-converted")),
+                    (f"-> {kv} K/V heads, uptrained 1M tokens", load(f"stories-kv{kv}-uptrained"))]
+    lines += ["", "| stories260K model | val loss (tinystories-valid-sample.txt) |", "|---|---|"]
+    lines += [f"| {name} | {cell(r)} |" for name, r in stories]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "TABLE.md").write_text("\n".join(lines) + "\n")
+    with open(RESULTS / "alpha.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["kv", "method", "alpha", "val_loss"])
+        writer.writeheader()
+        writer.writerows(rows)
+    if rows:
+        plot_quality_vs_alpha(rows, RESULTS / "quality-vs-alpha.png", mha["val_loss"] if mha else None)
+    curves = {"MHA pretraining": RUNS / "pretrain"}
+    curves |= {f"kv{kv} mean, alpha 0.1": RUNS / f"kv{kv}-mean" / "alpha0.1" for kv in KVS}
+    present = {label: read_metrics(p / "metrics.jsonl") for label, p in curves.items() if (p / "metrics.jsonl").exists()}
+    if present:
+        plot_training_runs(present, RESULTS / "loss-curves.png")
+    print((RESULTS / "TABLE.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
