@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from uptrain.shards import ShardWriter, TensorSpec, parse_size
+from uptrain.checkpoint import TensorSpec
+from uptrain.shards import ShardWriter, parse_size
 
 CHILD = """
 import sys

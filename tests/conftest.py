@@ -25,6 +25,16 @@ def need_shared(path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One CPU thread: tiny models gain nothing from more, and lose a lot on a busy machine."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def mha8() -> Path:
     return need_shared(MODELS / "stories260K-mha8")

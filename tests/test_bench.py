@@ -23,13 +23,7 @@ needs_shared = pytest.mark.skipif(not MODELS.is_dir(), reason=f"shared demo mode
 CONTEXT = 48
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One CPU thread: tiny models gain nothing from more, and lose a lot on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

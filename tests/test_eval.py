@@ -20,13 +20,7 @@ VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
 needs_shared = pytest.mark.skipif(not MODELS.is_dir(), reason=f"shared demo models not found at {MODELS}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One CPU thread: tiny models gain nothing from more, and lose a lot on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def tiny_llama(vocab: int = 97, seed: int = 0) -> LlamaForCausalLM:

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from uptrain.errors import UsageError
-from uptrain.shards import ShardWriter, TensorSpec, atomic_output_dir, parse_size, plan_shards
+from uptrain.checkpoint import TensorSpec
+from uptrain.shards import ShardWriter, atomic_output_dir, parse_size, plan_shards
 
 
 def test_written_shards_read_back_with_safetensors(tmp_path):

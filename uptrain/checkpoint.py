@@ -8,6 +8,7 @@ single tensor, so converting never holds the whole model. `.bin` files are read 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,20 +34,27 @@ _HUB_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "LICENSE
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """One source tensor: its name, the file holding it, shape and dtype (no data)."""
+class TensorSpec:
+    """A tensor's name, shape and dtype, without its data."""
 
     name: str
-    file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.dtype.itemsize
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorSpec):
+    """A source tensor's metadata and the file holding it."""
+
+    file: Path = Path()
 
 
 @dataclass
@@ -140,7 +148,7 @@ def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) 
                     if wanted is not None and name_to_file.get(name) != file.resolve():
                         continue
                     s = f.get_slice(name)
-                    infos.append(TensorInfo(name, file, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()]))
+                    infos.append(TensorInfo(name, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()], file))
         except SafetensorError as err:
             raise UsageError(f"{file.name} is not a readable safetensors file ({err}); "
                              f"it is truncated or corrupted, download it again") from err
@@ -175,7 +183,7 @@ def open_checkpoint(folder: Path) -> SourceCheckpoint:
     if not bin_files:
         raise UsageError(f"{folder} has no weights (*.safetensors or pytorch_model*.bin); "
                          f"download the weight files too")
-    infos = [TensorInfo(name, file, tuple(t.shape), t.dtype)
+    infos = [TensorInfo(name, tuple(t.shape), t.dtype, file)
              for file in bin_files for name, t in _load_bin(file).items()]
     return SourceCheckpoint(folder, config, "bin", infos)
 

@@ -77,16 +77,9 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     kv_dtype = next((o.spec.dtype for o in outputs if o.spec.name in kv_names and o.spec.dtype.is_floating_point),
                     dtype or torch.float32)
     plan = make_plan(checkpoint, revision, source.config, family, dims, kv_heads, method, seed,
-                     sum(_numel(i.shape) for i in source.tensors), outputs, kv_dtype)
+                     sum(i.numel for i in source.tensors), outputs, kv_dtype)
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
     return source, plan, outputs, new_config
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: list[OutputTensor],

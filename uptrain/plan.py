@@ -68,16 +68,9 @@ def make_plan(source: str, revision: str | None, config: dict[str, Any], family:
     return ConversionPlan(
         source=source, revision=revision, model_type=config["model_type"], dims=dims,
         new_kv_heads=new_kv, method=method, seed=seed, dtype=str(kv_dtype).removeprefix("torch."),
-        params_before=source_params, params_after=sum(_numel(o.spec.shape) for o in outputs),
+        params_before=source_params, params_after=sum(o.spec.numel for o in outputs),
         kv_bytes_per_token_before=before, kv_bytes_per_token_after=after,
         max_context=config.get("max_position_embeddings") or config.get("n_positions"), notes=notes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def human_bytes(n: float) -> str:

@@ -15,31 +15,14 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from uptrain.checkpoint import SAFE_INDEX, SAFETENSORS_DTYPES
+from uptrain.checkpoint import SAFE_INDEX, SAFETENSORS_DTYPES, TensorSpec
 from uptrain.errors import UsageError
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """An output tensor before its data exists."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.dtype.itemsize
 
 
 def parse_size(text: str) -> int:

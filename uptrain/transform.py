@@ -13,10 +13,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from uptrain.architectures import Family, KVTensor
-from uptrain.checkpoint import TensorInfo
+from uptrain.checkpoint import TensorInfo, TensorSpec
 from uptrain.errors import UsageError
 from uptrain.pooling import Method, merge_qkv, pool_heads, random_heads, repeat_heads, split_qkv
-from uptrain.shards import TensorSpec
 
 
 @dataclass(frozen=True)

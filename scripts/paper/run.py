@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,18 +46,20 @@ def scored(name: str, model: Path, data: Path, extra: dict) -> dict:
     """Validation loss of `model` via uptrain.eval, cached in results/paper/NAME.json."""
     out = RESULTS / f"{name}.json"
     if not out.exists():
-        sh("-m", "uptrain.eval", str(model), "--data", str(data), *EVAL_WINDOW, "--json", str(out))
-        record = json.loads(out.read_text())[0]
+        raw = RUNS / "eval" / f"{name}.json"
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        sh("-m", "uptrain.eval", str(model), "--data", str(data), *EVAL_WINDOW, "--json", str(raw))
+        record = json.loads(raw.read_text())[0]
         out.write_text(json.dumps({**extra, "val_loss": record["loss"], "val_ppl": record["perplexity"],
-                                   "val_tokens": record["tokens"], "model": str(model.relative_to(REPO))},
-                                  indent=2) + "\n")
+                                   "val_tokens": record["tokens"], "model": os.path.relpath(model, REPO),
+                                   "data": os.path.relpath(data, REPO)}, indent=2) + "\n")
     return json.loads(out.read_text())
 
 
 def uptrained(model: Path, run_dir: Path, config: str, *overrides: str) -> Path:
     if not (run_dir / "model" / "config.json").exists():
-        sh("-m", "uptrain.train", config, f"model={model.relative_to(REPO)}",
-           f"run_dir={run_dir.relative_to(REPO)}", "overwrite=true", *overrides)
+        sh("-m", "uptrain.train", config, f"model={os.path.relpath(model, REPO)}",
+           f"run_dir={os.path.relpath(run_dir, REPO)}", "overwrite=true", *overrides)
     return run_dir / "model"
 
 
