@@ -56,7 +56,8 @@ _KV_PROJ = KVTensor(r"(?:^|\.)(?:self_attn|attention)\.[kv]_proj\.(?:weight|bias
 FAMILIES: tuple[Family, ...] = (
     Family(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
             "gemma2", "gemma3_text", "granite", "granitemoe", "starcoder2", "olmo", "nemotron",
-            "helium", "glm", "glm4", "smollm3", "ernie4_5", "exaone4", "seed_oss"),
+            "helium", "glm", "glm4", "smollm3", "ernie4_5", "exaone4", "seed_oss", "exaone", "internlm3",
+            "ministral", "arcee", "cohere2"),
            (_KV_PROJ,),
            examples="Llama-2-7B/13B, Vicuna, OpenLLaMA, Qwen1.5, Mistral, Mixtral, Gemma, OLMo-1B/7B, "
                     "StarCoder2, Granite, GLM-4",
