@@ -39,13 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (replaced)")
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
+    p.add_argument("--stories", type=int, default=None, help="score only the first N held-out stories")
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo-cpu.yaml")
     args = p.parse_args(argv)
     source = EXAMPLES / "stories260K-mha8"
     if not source.is_dir():
         raise UsageError(f"{source} is missing; run the demo from a checkout of the repository")
     valid = (EXAMPLES / "data" / "tinystories-valid-sample.txt").read_text().splitlines()
-    valid = [t for t in valid if t.strip()]
+    valid = [t for t in valid if t.strip()][: args.stories]
     torch.manual_seed(0)
 
     converted = args.out / f"stories260K-gqa{args.kv_heads}"
