@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
@@ -10,11 +11,12 @@ from transformers import AutoTokenizer
 
 from uptrain.data import DataSource, load_texts
 from uptrain.errors import UsageError
-from uptrain.packing import load_blocks, pack_texts, schedule_blocks, split_blocks
+from uptrain.packing import StreamSchedule, load_blocks, pack_texts, schedule_blocks, split_blocks
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 MODEL = SHARED / "data" / "models" / "stories260K-gqa4"
 VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
+TRAIN = SHARED / "data" / "corpora" / "tinystories-train-sample.txt"
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +69,31 @@ def test_source_without_full_block_is_a_usage_error(tokenizer, tmp_path):
     short.write_text("Hi.\n")
     with pytest.raises(UsageError, match="no full block"):
         load_blocks(DataSource(files=[str(short)]), tokenizer, seq_len=512)
+
+
+def test_stream_gives_the_blocks_of_the_whole_file_in_order(tokenizer, tmp_path):
+    # Same text, same map batches: the lazily packed stream is the packed dataset, block for block.
+    # (The trainer's order still differs: a whole dataset is shuffled globally by the seed, a
+    # stream is read in order or through a seeded shuffle buffer.)
+    if not TRAIN.exists():
+        pytest.skip(f"needs {TRAIN}")
+    lines = [line for line in TRAIN.read_text().splitlines() if line.strip()] * 2  # > one map batch
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"story": line}) + "\n" for line in lines))
+    whole = load_blocks(DataSource(files=[str(jsonl)], text_field="story"), tokenizer, seq_len=64)["input_ids"]
+    whole = list(whole)
+    assert len(lines) > 1000  # more than one map batch of documents
+    source = DataSource(files=[str(jsonl)], text_field="story", streaming=True)
+
+    def blocks(n, **kw):
+        return [row["input_ids"].tolist() for row in StreamSchedule(source, tokenizer, 64, n, seed=0, **kw)]
+
+    assert blocks(len(whole), repeat_data=False) == whole
+    assert blocks(len(whole), repeat_data=False, skip=len(whole) - 5) == whole[-5:]  # resume: the rest
+    with pytest.raises(UsageError, match="ended after .* set data.repeat_data=true"):
+        blocks(len(whole) + 1, repeat_data=False)
+    assert blocks(len(whole) + 3, repeat_data=True) == whole + whole[:3]  # next epoch, same order
+    shuffled = blocks(len(whole) + 20, repeat_data=True, shuffle_buffer=50)
+    assert shuffled == blocks(len(whole) + 20, repeat_data=True, shuffle_buffer=50)  # seeded
+    assert shuffled[:len(whole)] != whole and sorted(shuffled[:len(whole)]) == sorted(whole)
+    assert shuffled[len(whole):] != shuffled[:20]  # each epoch is reshuffled (seed + epoch)

@@ -53,11 +53,14 @@ def test_overrides_reach_nested_fields_with_types(tmp_path):
     ("budget.fraction=0.5", "either budget.tokens or budget.fraction"),
     ("mixed_precision=fp8", "mixed_precision must be"),
     ("optim.lr", "is not key=value"),
+    ("data.train.streaming=true data.val=null", "a streaming data.train needs a separate validation source"),
+    ("data.val.streaming=true eval.max_batches=null", "a streaming data.val needs eval.max_batches"),
+    ("data.shuffle_buffer=100", "applies only to a streaming data.train"),
 ])
 def test_invalid_fields_are_usage_errors(tmp_path, override, message):
     need_shared()
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
-        load_config(DEMO, tiny_overrides(tmp_path) + [override])
+        load_config(DEMO, tiny_overrides(tmp_path) + override.split(" "))
 
 
 def _teacher_with_other_vocab(tmp_path: Path) -> Path:

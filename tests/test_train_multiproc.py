@@ -67,3 +67,25 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state == {"step": STEPS, "samples": STEPS * 8, "tokens": STEPS * 8 * 64}
     assert not list((double / "checkpoints").glob(".tmp-*"))
+
+
+def test_streaming_two_processes_see_the_same_global_batches_as_one(tmp_path, one_torch_thread):
+    # A stream is read by the main process and its batches dispatched: process r gets the r-th of
+    # each group of consecutive batches, so a step's global batch is the one-process step's.
+    need_shared()
+    stream = {"data.train.streaming": "true", "data.shuffle_buffer": 16}
+    single = tmp_path / "single"
+    train(load_config(DEMO, tiny_overrides(single, steps=4, **stream)))
+    double = tmp_path / "double"
+    args = tiny_overrides(double, steps=4, **{**stream, "batch.grad_accum": 1})
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x 2 processes" in proc.stdout and "streaming train blocks" in proc.stdout
+    one, two = train_losses(single), train_losses(double)
+    assert sorted(two) == sorted(one) == [1, 2, 3, 4]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], abs=1e-5), step

@@ -21,8 +21,8 @@ class DataSource:
     """A text source: a Hub dataset (`dataset`, `config`, `split`) or local `files`.
 
     Local `.txt` files give one document per line; `.jsonl`/`.json`/`.parquet` files give one
-    document per record, read from `text_field`. `streaming` reads a Hub dataset lazily, for
-    corpora too large to download whole.
+    document per record, read from `text_field`. `streaming` reads the source lazily (a Hub dataset
+    or local files) as an IterableDataset, for corpora too large to download whole.
     """
 
     dataset: str | None = None
@@ -68,8 +68,8 @@ def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDatase
                 f"cannot load dataset {source.dataset!r} (split {source.split!r}): "
                 f"{str(err).splitlines()[0]}; check the name or use local files"
             ) from err
-    columns = ds.column_names or []
-    if source.text_field not in columns:
+    columns = ds.column_names  # None for some streaming Hub datasets: checked when read
+    if columns is not None and source.text_field not in columns:
         raise UsageError(
             f"data has no {source.text_field!r} column (columns: {columns}); set text_field"
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 import time
@@ -24,7 +25,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from uptrain.checkpointing import RUN_FILE, check_run_dir, clear_run_dir, load_checkpoint, save_checkpoint
+from uptrain.checkpointing import (
+    RUN_FILE, STATE_FILE, check_run_dir, clear_run_dir, load_checkpoint, save_checkpoint,
+)
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train_config import TrainConfig, load_config, to_dict
@@ -93,7 +96,11 @@ def train(config: TrainConfig) -> dict:
     resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
     tokenizer = check_models(config)
     set_seed(config.seed)
-    train_blocks, val_blocks, n_available = build_data(config, tokenizer, plan, accelerator)
+    # A streaming source cannot skip batches in the loader: the stream itself starts after the
+    # blocks the interrupted run consumed (the checkpoint's data position).
+    consumed = json.loads((resume_from / STATE_FILE).read_text())["samples"] if resume_from is not None else 0
+    train_blocks, val_blocks, n_available = build_data(config, tokenizer, plan, accelerator, consumed)
+    streaming = config.data.train.streaming
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if main:
         if config.overwrite:
@@ -118,8 +125,11 @@ def train(config: TrainConfig) -> dict:
     optimizer = make_optimizer(model, config.optim)
     micro, accum = config.batch.micro_batch, config.batch.grad_accum
     # Blocks are already in run order; accelerate gives process r every world-th batch, so one
-    # step sees the same global batch whatever the number of processes.
-    loader = DataLoader(train_blocks.with_format("torch"), batch_size=micro, shuffle=False)
+    # step sees the same global batch whatever the number of processes. A stream (an
+    # IterableDataset) is read by the main process only and its batches dispatched the same way:
+    # process r gets the r-th of each group of `world` consecutive batches.
+    dataset = train_blocks if streaming else train_blocks.with_format("torch")
+    loader = DataLoader(dataset, batch_size=micro, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     start_step = 0
@@ -145,7 +155,7 @@ def train(config: TrainConfig) -> dict:
         accelerator.print(f"step 0: val loss {first_eval['val_loss']:.4f}, ppl {first_eval['val_ppl']:.2f}")
 
     # Skip what the interrupted run already consumed: the data order is fixed by the seed.
-    batches = iter(accelerator.skip_first_batches(loader, start_step * accum) if start_step else loader)
+    batches = iter(accelerator.skip_first_batches(loader, start_step * accum) if start_step and not streaming else loader)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not (main and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
     for step in range(start_step, plan.steps):

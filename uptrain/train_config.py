@@ -25,10 +25,12 @@ class DataConfig:
     """Training text, validation text and how it becomes blocks of `seq_len` tokens."""
 
     train: DataSource = field(default_factory=DataSource)
-    val: DataSource | None = None  # separate validation text; else `val_fraction` of train blocks
+    val: DataSource | None = None  # separate validation text (required with a streaming train); else `val_fraction`
     val_fraction: float = 0.05  # held-out share of the packed train blocks when `val` is unset
     seq_len: int = 512  # tokens per packed block (documents joined with EOS)
-    repeat_data: bool = False  # loop over the data (reshuffled per epoch) when the budget needs more
+    repeat_data: bool = False  # loop over the data when the budget needs more (reshuffled per epoch; a
+    # stream restarts in order, or reshuffled by seed + epoch with shuffle_buffer)
+    shuffle_buffer: int = 0  # streaming train source: seeded buffer shuffle of blocks (0: stream order)
     num_proc: int | None = None  # worker processes for tokenization (datasets.map)
 
 
@@ -167,8 +169,12 @@ class TrainConfig:
         if b.total_tokens() <= 0:
             raise UsageError("budget must be a positive number of tokens")
         self.data.train.validate()
-        if self.data.train.streaming or (self.data.val and self.data.val.streaming):
-            raise UsageError("streaming data sources are not supported by the trainer yet; use local files")
+        if self.data.train.streaming and self.data.val is None:
+            raise UsageError("a streaming data.train needs a separate validation source: give data.val")
+        if self.data.val is not None and self.data.val.streaming and self.eval.max_batches is None:
+            raise UsageError("a streaming data.val needs eval.max_batches (its first max_batches batches are evaluated)")
+        if self.data.shuffle_buffer < 0 or (self.data.shuffle_buffer and not self.data.train.streaming):
+            raise UsageError("data.shuffle_buffer must be >= 0 and applies only to a streaming data.train")
         if self.data.val is not None:
             self.data.val.validate()
 

@@ -6,6 +6,7 @@ in seconds with one line (UsageError -> exit code 2).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from accelerate import Accelerator
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from uptrain.errors import UsageError
-from uptrain.packing import load_blocks, schedule_blocks, split_blocks
+from uptrain.packing import StreamSchedule, load_blocks, load_stream_blocks, schedule_blocks, split_blocks
 from uptrain.train_config import OptimConfig, TrainConfig
 
 
@@ -66,14 +67,15 @@ class Plan:
     sequences_per_step: int  # global: micro_batch x grad_accum x processes
     tokens_per_step: int  # sequences_per_step x seq_len
 
-    def describe(self, config: TrainConfig, world: int, n_params: int, n_train: int, n_val: int) -> str:
+    def describe(self, config: TrainConfig, world: int, n_params: int, n_train: int | None, n_val: int) -> str:
         """Human-readable plan printed at the start of a run."""
         b = config.batch
         return (
             f"plan: {self.steps} steps x {self.tokens_per_step:,} tokens = {self.steps * self.tokens_per_step:,} "
             f"tokens (budget {self.total_tokens:,}); {self.sequences_per_step} sequences/step = "
             f"micro_batch {b.micro_batch} x grad_accum {b.grad_accum} x {world} processes, seq_len "
-            f"{config.data.seq_len}; model {n_params:,} params; data {n_train} train blocks, {n_val} val blocks"
+            f"{config.data.seq_len}; model {n_params:,} params; data {'streaming' if n_train is None else n_train} "
+            f"train blocks, {n_val} val blocks"
         )
 
 
@@ -91,16 +93,37 @@ def make_plan(config: TrainConfig, world: int) -> Plan:
 
 
 def build_data(
-    config: TrainConfig, tokenizer, plan: Plan, accelerator: Accelerator
-) -> tuple[datasets.Dataset, datasets.Dataset, int]:
-    """(scheduled train blocks for the whole run, validation blocks, train blocks available)."""
+    config: TrainConfig, tokenizer, plan: Plan, accelerator: Accelerator, skip_blocks: int = 0
+) -> tuple[datasets.Dataset | StreamSchedule, datasets.Dataset, int | None]:
+    """(train blocks for the whole run, validation blocks, train blocks available or None).
+
+    A non-streaming train source is tokenized whole and scheduled by a seeded shuffle (a resumed
+    run skips batches in the loader); a streaming one becomes a `StreamSchedule` that packs on the
+    fly and starts after the `skip_blocks` blocks a resumed run already consumed.
+    """
     d = config.data
+    n_sequences = plan.steps * plan.sequences_per_step
+    val = None
+    if d.val is not None and d.val.streaming:
+        # Evaluation needs a fixed, indexable set: the first max_batches x batch blocks of the stream.
+        n_val = config.eval.max_batches * (config.eval.batch_size or config.batch.micro_batch)
+        val = datasets.Dataset.from_list(list(itertools.islice(load_stream_blocks(d.val, tokenizer, d.seq_len), n_val)))
+        if len(val) == 0:
+            raise UsageError(f"data source {d.val.files or d.val.dataset} gives no full block of {d.seq_len} tokens")
+    if d.train.streaming:
+        train = StreamSchedule(d.train, tokenizer, d.seq_len, n_sequences, config.seed, d.repeat_data,
+                               d.shuffle_buffer, skip_blocks)
+        if val is None:
+            with accelerator.main_process_first():
+                val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)  # validated: data.val is set
+        return train, val, None
     # The main process tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
         train = load_blocks(d.train, tokenizer, d.seq_len, d.num_proc)
-        val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc) if d.val else None
+        if d.val is not None and val is None:
+            val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)
     train, val = split_blocks(train, val, d.val_fraction, config.seed)
-    scheduled = schedule_blocks(train, plan.steps * plan.sequences_per_step, config.seed, d.repeat_data)
+    scheduled = schedule_blocks(train, n_sequences, config.seed, d.repeat_data)
     return scheduled, val, len(train)
 
 
