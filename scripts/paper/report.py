@@ -56,9 +56,10 @@ def main() -> None:
         writer.writerows(rows)
     if rows:
         plot_quality_vs_alpha(rows, RESULTS / "quality-vs-alpha.png", mha["val_loss"] if mha else None)
-    curves = {"MHA pretraining": RUNS / "pretrain"}
-    curves |= {f"kv{kv} mean, alpha 0.1": RUNS / f"kv{kv}-mean" / "alpha0.1" for kv in KVS}
-    present = {label: read_metrics(p / "metrics.jsonl") for label, p in curves.items() if (p / "metrics.jsonl").exists()}
+    curves = {"MHA pretraining": RESULTS / "pretrain-metrics.jsonl"}
+    curves |= {f"kv{kv} mean, alpha {a}": RUNS / f"kv{kv}-mean" / f"alpha{a}" / "metrics.jsonl"
+               for kv in KVS for a in (0.1, 0.05)}
+    present = {label: read_metrics(p) for label, p in curves.items() if p.exists()}
     if present:
         plot_training_runs(present, RESULTS / "loss-curves.png")
     print((RESULTS / "TABLE.md").read_text())
