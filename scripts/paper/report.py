@@ -35,7 +35,11 @@ def main() -> None:
     lines = ["| K/V heads | method | " + " | ".join(f"alpha = {a}" for a in ALPHAS) + " |",
              "|---|---|" + "---|" * len(ALPHAS)]
     if mha:
-        lines.append(f"| 8 (MHA, pretrained on T = {mha['pretrain_tokens']:,} tokens) | - | {cell(mha)} | | | |")
+        control = [mha] + [load(f"kv8-mha-alpha{a}") for a in ALPHAS[1:]]
+        lines.append(f"| 8 (MHA reference, pretrained on T = {mha['pretrain_tokens']:,} tokens; "
+                     f"control: trained alpha x T more) | mha | " + " | ".join(cell(r) for r in control) + " |")
+        rows += [{"kv": 8, "method": "mha (control)", "alpha": a, "val_loss": r["val_loss"]}
+                 for a, r in zip(ALPHAS, control) if r]
     for kv in KVS:
         for method in METHODS:
             records = [load(f"kv{kv}-{method}-alpha{0 if a == 0 else a}") for a in ALPHAS]

@@ -98,6 +98,12 @@ def part1() -> None:
                                   f"budget.fraction={alpha}", f"budget.pretrain_tokens={T_TOKENS}")
                 scored(f"{tag}-alpha{alpha}", model, VAL, {"kv": kv, "method": method, "alpha": alpha})
                 sh("scripts/paper/report.py")
+    # Control: the MHA model itself trained on the same alpha x T tokens. An under-trained
+    # reference keeps improving with more tokens; GQA should be judged against this line too.
+    for alpha in (0.05, 0.025, 0.1):
+        model = uptrained(mha, RUNS / "kv8-mha" / f"alpha{alpha}", "configs/paper/uptrain.yaml",
+                          f"budget.fraction={alpha}", f"budget.pretrain_tokens={T_TOKENS}")
+        scored(f"kv8-mha-alpha{alpha}", model, VAL, {"kv": 8, "method": "mha", "alpha": alpha})
 
 
 def part2() -> None:
