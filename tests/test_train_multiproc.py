@@ -27,6 +27,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
+    """`accelerate launch` two real CPU processes of the trainer on DEMO with `args`; must succeed."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     need_shared()
     # One process: micro batch 4 x 2 accumulation steps = 8 sequences per optimizer step.
@@ -36,12 +47,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     # Two processes: micro batch 4 x 1 step x 2 processes = the same 8 sequences per step.
     double = tmp_path / "double"
     args = tiny_overrides(double, steps=STEPS, **{"batch.grad_accum": 1, "checkpoint.every": 3, "checkpoint.keep": 1})
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch_two_processes(args)
     assert "x 2 processes" in proc.stdout  # both ranks joined one process group
 
     # The same loss at every step: token sums are added over both processes before dividing.
@@ -78,12 +84,7 @@ def test_streaming_two_processes_see_the_same_global_batches_as_one(tmp_path, on
     train(load_config(DEMO, tiny_overrides(single, steps=4, **stream)))
     double = tmp_path / "double"
     args = tiny_overrides(double, steps=4, **{**stream, "batch.grad_accum": 1})
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch_two_processes(args)
     assert "x 2 processes" in proc.stdout and "streaming train blocks" in proc.stdout
     one, two = train_losses(single), train_losses(double)
     assert sorted(two) == sorted(one) == [1, 2, 3, 4]

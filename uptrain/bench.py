@@ -233,6 +233,17 @@ def bench_tables(results: Sequence[BenchResult]) -> str:
     return kv + ("\n\n" + dec if dec_rows else "")
 
 
+def write_outputs(args: argparse.Namespace, records: list[dict], bench_records: list[dict]) -> None:
+    """`--json` (records) and `--plot` (KV bytes and decode speed of bench_records), as asked."""
+    if args.json:
+        write_json(records, args.json)
+    if args.plot:
+        from uptrain.plots import plot_bench
+
+        for p in plot_bench(bench_records, args.plot):
+            print(f"wrote {p}", file=sys.stderr)
+
+
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: benchmark each MODEL and print KV-cache and decode tables."""
@@ -243,13 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = bench_from_args(args, args.models)
     print(bench_tables(results), file=sys.stderr if args.json == "-" else sys.stdout)
-    if args.json:
-        write_json([asdict(r) for r in results], args.json)
-    if args.plot:
-        from uptrain.plots import plot_bench
-
-        for p in plot_bench([asdict(r) for r in results], args.plot):
-            print(f"wrote {p}", file=sys.stderr)
+    write_outputs(args, [asdict(r) for r in results], [asdict(r) for r in results])
     return 0
 
 

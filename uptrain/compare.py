@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from uptrain.bench import BenchResult, add_bench_args, bench_from_args
+from uptrain.bench import BenchResult, add_bench_args, bench_from_args, write_outputs
 from uptrain.errors import exit_on_usage_error
-from uptrain.cliutil import ArgParser, format_table, write_json
+from uptrain.cliutil import ArgParser, format_table
 from uptrain.eval import EvalResult, add_data_args, evaluate_paths, read_texts, source_from_args, window_args
 
 
@@ -95,13 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"perplexity: max_length {max_length}, stride {stride}, {evals[0].documents} documents; "
           f"decode: {args.new_tokens} new tokens, median of {args.repeats}; settings are batch x context", file=out)
     print(comparison_table(rows), file=out)
-    if args.json:
-        write_json([asdict(r) for r in rows], args.json)
-    if args.plot:
-        from uptrain.plots import plot_bench
-
-        for p in plot_bench([asdict(b) for b in benches], args.plot):
-            print(f"wrote {p}", file=sys.stderr)
+    write_outputs(args, [asdict(r) for r in rows], [asdict(b) for b in benches])
     return 0
 
 
