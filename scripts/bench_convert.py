@@ -24,18 +24,18 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from uptrain.checkpoint import TensorSpec
-from uptrain.shards import ShardWriter, parse_size
+from uptrain.convert.source import TensorSpec
+from uptrain.convert.shards import ShardWriter
+from uptrain.units import DTYPES, parse_size
 
 CHILD = """
 import sys
-from uptrain.convert import main
+from uptrain.convert.__main__ import main
 rc = main(sys.argv[1:])
 status = open("/proc/self/status").read()
 print(int(status.split("VmHWM:")[1].split()[0]) * 1024)
 sys.exit(rc)
 """
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def write_random_checkpoint(config_path: Path, folder: Path, dtype: torch.dtype, shard: str) -> list[TensorSpec]:

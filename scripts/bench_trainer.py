@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from uptrain.data import DataSource
-from uptrain.losses import lm_loss_sum
-from uptrain.packing import load_blocks
+from uptrain.train.sources import DataSource
+from uptrain.train.losses import lm_loss_sum
+from uptrain.train.packing import load_blocks
 from uptrain.train import train
-from uptrain.train_config import load_config
-from uptrain.train_report import MetricsLog
-from uptrain.train_setup import make_optimizer
+from uptrain.train.config import load_config
+from uptrain.train.report import MetricsLog
+from uptrain.train.setup import make_optimizer
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"
 

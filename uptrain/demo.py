@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from uptrain.cliutil import format_table
+from uptrain.cli import format_table
 from uptrain.convert import convert
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.eval import evaluate, load_model, tokenize_texts
-from uptrain.pooling import kv_cache_bytes_per_token
+from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.units import kv_cache_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.skip_uptrain:
         from uptrain.train import train
-        from uptrain.train_config import load_config
+        from uptrain.train.config import load_config
         run_dir = args.out / "uptrain"
         print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}")
         data = EXAMPLES / "data"

@@ -12,7 +12,7 @@ import csv
 import json
 from pathlib import Path
 
-from uptrain.plots import plot_quality_vs_alpha, plot_training_runs, read_metrics
+from uptrain.measure.plots import plot_quality_vs_alpha, plot_training_runs, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "results" / "paper"

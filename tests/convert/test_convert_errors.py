@@ -1,0 +1,110 @@
+"""Bad input: a one-line error naming the problem and what would work, exit code 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from tiny import save
+from uptrain.convert.__main__ import main
+
+
+def fails(argv: list, capsys, *needles: str) -> str:
+    """Run the CLI, expect exit 2 and one stderr line holding every needle."""
+    capsys.readouterr()  # drop what setup printed
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+def nothing_written(tmp_path: Path, *keep: str) -> None:
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
+
+
+@pytest.mark.parametrize("kv,needles", [
+    (0, ["must be positive", "valid --kv-heads: 1, 2, 4, 8"]),
+    (-2, ["must be positive"]),
+    (16, ["has 8 K/V heads", "cannot make 16", "1, 2, 4, 8"]),
+    (3, ["3 does not divide the 8 K/V heads", "valid --kv-heads: 1, 2, 4, 8"]),
+])
+def test_bad_kv_heads(mha8, tmp_path, capsys, kv, needles):
+    fails([mha8, "--kv-heads", kv, "--out", tmp_path / "out"], capsys, *needles)
+    nothing_written(tmp_path)
+
+
+def test_more_kv_heads_than_the_checkpoint_has(gqa4, tmp_path, capsys):
+    fails([gqa4, "--kv-heads", 8, "--out", tmp_path / "out"], capsys, "has 4 K/V heads", "valid --kv-heads: 1, 2, 4")
+    nothing_written(tmp_path)
+
+
+def test_model_type_that_cannot_express_gqa(tmp_path, capsys):
+    src = save(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64)), tmp_path / "gpt2")
+    fails([src, "--kv-heads", 1, "--out", tmp_path / "out"], capsys, "'gpt2' cannot be converted",
+          "no setting for fewer K/V heads")
+    nothing_written(tmp_path, "gpt2")
+
+
+def test_unknown_model_type_lists_the_supported_ones(mha8, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(mha8, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"model_type": "falcon_mamba"}))
+    fails([src, "--kv-heads", 4, "--out", tmp_path / "out"], capsys, "'falcon_mamba' is not supported",
+          "llama", "qwen2")
+
+
+def test_missing_config_and_missing_weights(mha8, tmp_path, capsys):
+    no_cfg = tmp_path / "no_cfg"
+    shutil.copytree(mha8, no_cfg)
+    (no_cfg / "config.json").unlink()
+    fails([no_cfg, "--kv-heads", 4, "--out", tmp_path / "o1"], capsys, "has no config.json")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(mha8, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    fails([no_weights, "--kv-heads", 4, "--out", tmp_path / "o2"], capsys, "has no weights")
+    fails([tmp_path / "nowhere", "--kv-heads", 4, "--out", tmp_path / "o3"], capsys, "does not exist")
+    nothing_written(tmp_path, "no_cfg", "no_weights")
+
+
+def test_weights_that_contradict_the_config(mha8, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(mha8, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"num_key_value_heads": 4}))
+    fails([src, "--kv-heads", 2, "--out", tmp_path / "out"], capsys, "weights contradict config.json",
+          "k_proj.weight has shape [64, 64]", "implies 32 rows")
+    nothing_written(tmp_path, "src")
+
+
+def test_output_inside_the_source_or_existing(mha8, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(mha8, src)
+    fails([src, "--kv-heads", 4, "--out", src / "gqa"], capsys, "inside the source checkpoint")
+    fails([src, "--kv-heads", 4, "--out", src], capsys, "inside the source checkpoint")
+    fails([src, "--kv-heads", 4, "--out", tmp_path], capsys, "is inside output")
+    (tmp_path / "taken").mkdir()
+    fails([src, "--kv-heads", 4, "--out", tmp_path / "taken"], capsys, "already exists", "--force")
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in mha8.iterdir())
+    nothing_written(tmp_path, "src", "taken")
+
+
+def test_missing_out_and_bad_shard_size(mha8, tmp_path, capsys):
+    fails([mha8, "--kv-heads", 4], capsys, "--out is required")
+    fails([mha8, "--kv-heads", 4, "--out", tmp_path / "o", "--max-shard-size", "lots"], capsys, "cannot read size")
+    nothing_written(tmp_path)
+
+
+def test_exit_code_and_single_line_from_a_real_process(mha8, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "uptrain.convert", str(mha8), "--kv-heads", "3", "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")

@@ -1,0 +1,120 @@
+"""KV-cache bytes measured from real caches, decode timing, memory budget, compare."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, MistralConfig, MistralForCausalLM
+
+from uptrain.measure import bench, compare
+from uptrain.measure.bench import (bench_model, decode_throughput, kv_bytes_per_token_formula, max_batch_in_budget,
+                           measure_kv_bytes)
+from uptrain.units import parse_size
+from uptrain.measure.eval import load_model
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+MODELS = SHARED / "data" / "models"
+CONFIGS = SHARED / "data" / "configs"
+VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
+needs_shared = pytest.mark.skipif(not MODELS.is_dir(), reason=f"shared demo models not found at {MODELS}")
+CONTEXT = 48
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+@pytest.fixture(scope="module")
+def kv_bytes() -> Callable[[Path], tuple[int, int]]:
+    """Helper: model dir -> (measured KV bytes after a CONTEXT-token forward, formula bytes)."""
+
+    def measure(model_dir: Path) -> tuple[int, int]:
+        model, _ = load_model(str(model_dir))
+        return measure_kv_bytes(model, CONTEXT), kv_bytes_per_token_formula(model.config, model.dtype) * CONTEXT
+
+    return measure
+
+
+@needs_shared
+def test_mha8_holds_twice_the_kv_cache_of_gqa4(kv_bytes) -> None:
+    mha, mha_formula = kv_bytes(MODELS / "stories260K-mha8")
+    gqa, gqa_formula = kv_bytes(MODELS / "stories260K-gqa4")
+    assert (mha, gqa) == (mha_formula, gqa_formula)
+    assert mha == 2 * gqa
+    assert mha == 2 * 5 * 8 * 8 * 4 * CONTEXT  # K and V x layers x kv heads x head_dim x fp32
+
+
+@needs_shared
+def test_mha8_holds_four_times_the_kv_cache_of_its_2_kv_head_conversion(kv_bytes, tmp_path) -> None:
+    from uptrain.convert import convert
+    convert(str(MODELS / "stories260K-mha8"), tmp_path / "gqa2", 2)
+    mha, mha_formula = kv_bytes(MODELS / "stories260K-mha8")
+    gqa, gqa_formula = kv_bytes(tmp_path / "gqa2")
+    assert (mha, gqa) == (mha_formula, gqa_formula)
+    assert mha == 4 * gqa
+
+
+@pytest.mark.skipif(not CONFIGS.is_dir(), reason=f"shared configs not found at {CONFIGS}")
+@pytest.mark.parametrize("name, dtype, per_token", [
+    ("llama-2-7b-hf", torch.float16, 512 * 1024),  # 32 layers x 32 kv heads x 128
+    ("mistral-7b-v0.1", torch.bfloat16, 128 * 1024),  # 32 layers x 8 kv heads x 128
+    ("gemma-2b", torch.bfloat16, 18 * 1024),  # 18 layers x 1 kv head x 256 (head_dim given)
+])
+def test_formula_on_real_configs(name: str, dtype: torch.dtype, per_token: int) -> None:
+    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    assert kv_bytes_per_token_formula(config, dtype) == per_token
+
+
+def test_sliding_window_cache_is_capped_and_warned(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16, max_position_embeddings=128)
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)  # no tokenizer: bench does not need one
+    with pytest.warns(UserWarning, match="formula"):
+        result = bench_model(str(tmp_path), contexts=[40], batches=[], new_tokens=4)
+    assert result.kv_bytes[40] < result.kv_bytes_per_token_formula * 40
+
+
+@needs_shared
+def test_decode_throughput_generates_exactly_new_tokens() -> None:
+    model, _ = load_model(str(MODELS / "stories260K-gqa4"))
+    result = decode_throughput(model, batch=2, context=16, new_tokens=5, warmup=0, repeats=2)
+    assert len(result.times_s) == 2
+    assert result.decode_tokens_per_s > 0 and result.generate_tokens_per_s > 0
+
+
+def test_memory_budget_arithmetic() -> None:
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("1.5 GiB") == 3 * 2**29
+    assert max_batch_in_budget(weight_bytes=100, kv_bytes_at_context=30, budget=200) == 3
+    assert max_batch_in_budget(weight_bytes=300, kv_bytes_at_context=30, budget=200) == 0
+
+
+@needs_shared
+def test_bench_and_compare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mha, gqa = str(MODELS / "stories260K-mha8"), str(MODELS / "stories260K-gqa4")
+    fast = ["--context", "16", "32", "--batch", "1", "--new-tokens", "3", "--warmup", "0", "--repeats", "1"]
+    assert bench.main([gqa, *fast, "--memory-budget", "2MB", "--json", str(tmp_path / "b.json"),
+                       "--plot", str(tmp_path / "plots")]) == 0
+    (row,) = json.loads((tmp_path / "b.json").read_text())
+    assert row["kv_bytes"] == {"16": 1280 * 16, "32": 1280 * 32}
+    assert row["max_batch"]["32"] > 0
+    assert row["max_batch"]["32"] == (2 * 10**6 - row["weight_bytes"]) // (1280 * 32)
+    assert len(row["decode"]) == 2
+    assert (tmp_path / "plots" / "kv-bytes.png").is_file() and (tmp_path / "plots" / "decode-speed.png").is_file()
+
+    assert compare.main([mha, gqa, "--data", str(VALID), "--max-documents", "2", "--max-length", "128",
+                         *fast, "--json", str(tmp_path / "c.json")]) == 0
+    src, conv = json.loads((tmp_path / "c.json").read_text())
+    assert src["kv_reduction"] == 1.0 and conv["kv_reduction"] == 2.0
+    assert abs(conv["perplexity_change_pct"]) < 1e-3
+    assert set(conv["decode_speedup"]) == {"1x16", "1x32"}
+    assert "KV reduction" in capsys.readouterr().out
+
+    assert bench.main([str(tmp_path / "missing")]) == 2
+    assert bench.main([gqa, "--context", "600"]) == 2  # beyond max_position_embeddings 512
+    assert bench.main([gqa, "--memory-budget", "lots"]) == 2

@@ -1,0 +1,104 @@
+"""Perplexity: windows, a hand-computable case, and the MHA/GQA demo pair on real text."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from uptrain.errors import UsageError
+from uptrain.measure.eval import evaluate, evaluate_paths, main, read_texts, sequence_nll, window_spans
+from uptrain.train.sources import DataSource
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+MODELS = SHARED / "data" / "models"
+VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
+needs_shared = pytest.mark.skipif(not MODELS.is_dir(), reason=f"shared demo models not found at {MODELS}")
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+def tiny_llama(vocab: int = 97, seed: int = 0) -> LlamaForCausalLM:
+    """A random float64 Llama small enough to score by hand-written reference code."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).double().eval()
+
+
+def test_windows_score_every_token_once() -> None:
+    for n in range(0, 40):
+        for max_length in (2, 3, 7, 16):
+            for stride in range(1, max_length):
+                spans = window_spans(n, max_length, stride)
+                scored = [t for _, end, first in spans for t in range(first, end)]
+                assert scored == list(range(1, n))
+                assert all(end - begin <= max_length and first > begin for begin, end, first in spans)
+
+
+def test_windows_reject_bad_numbers() -> None:
+    with pytest.raises(UsageError):
+        window_spans(10, 8, 8)  # no overlap: the token at each window start would be skipped
+    with pytest.raises(UsageError):
+        window_spans(10, 1, 1)
+
+
+def test_uniform_logits_give_ln_vocab() -> None:
+    model = tiny_llama(vocab=97)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    docs = [torch.randint(0, 97, (n,)) for n in (5, 33, 70)]
+    for max_length, stride in ((128, 64), (16, 5)):
+        result = evaluate(model, docs, max_length, stride)
+        assert result.tokens == 4 + 32 + 69
+        assert abs(result.loss - math.log(97)) < 1e-12
+        assert abs(result.perplexity - 97) < 1e-9
+
+
+def test_one_window_equals_full_context_loss() -> None:
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (1, 50))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], dim=-1)  # [49, vocab], float64
+        reference = -logp.gather(1, ids[0, 1:, None]).mean().item()  # full context, 49 targets
+    for max_length, stride in ((50, 25), (64, 1), (128, 100)):
+        nll, n = sequence_nll(model, ids, max_length, stride)
+        assert n == 49
+        assert abs(nll / n - reference) < 1e-12
+    # Shorter windows see less context: a different (but valid) number.
+    nll, n = sequence_nll(model, ids, 8, 4)
+    assert n == 49 and abs(nll / n - reference) > 1e-9
+
+
+@needs_shared
+def test_mha8_and_gqa4_have_the_same_perplexity() -> None:
+    texts = read_texts(DataSource(files=[str(VALID)]))
+    mha, gqa = evaluate_paths([str(MODELS / "stories260K-mha8"), str(MODELS / "stories260K-gqa4")],
+                              texts, max_length=512, stride=256)
+    assert mha.tokens == gqa.tokens > 10_000
+    assert abs(mha.perplexity - gqa.perplexity) < 1e-4
+    assert 1.0 < mha.loss < 2.5  # a trained model on its own domain
+
+
+@needs_shared
+def test_cli_json_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "eval.json"
+    rc = main([str(MODELS / "stories260K-gqa4"), "--data", str(VALID), "--max-documents", "2",
+               "--max-length", "64", "--stride", "32", "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())
+    assert row["documents"] == 2 and row["max_length"] == 64 and row["perplexity"] > 1
+    assert "perplexity" in capsys.readouterr().out
+
+    assert main([str(tmp_path / "missing-model"), "--data", str(VALID)]) == 2
+    assert main([str(MODELS / "stories260K-gqa4"), "--data", str(tmp_path / "missing.txt")]) == 2
+    assert main([str(MODELS / "stories260K-gqa4"), "--data", str(VALID), "--stride", "zero"]) == 2
+    assert main([str(MODELS / "stories260K-gqa4"), "--data", str(VALID), "--max-length", "1024"]) == 2  # ctx 512
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err)

@@ -1,0 +1,132 @@
+"""Run configs: YAML + key=value overrides, validation, and bad configs failing before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
+from train_helpers import DEMO, GQA4, MHA8, REPO, need_shared, tiny_overrides
+from uptrain.errors import UsageError
+from uptrain.train.__main__ import main
+from uptrain.train.config import load_config
+
+
+def test_every_shipped_yaml_parses_and_validates(monkeypatch):
+    monkeypatch.chdir(REPO)  # configs name paths relative to the repository root
+    demo = load_config("configs/demo-cpu.yaml")  # reads the bundled examples/data
+    assert demo.data.seq_len == 128 and demo.budget.total_tokens() == 200_000 and demo.data.val.files
+    big = load_config("configs/llama2-7b-gqa8.yaml")
+    assert big.expect_kv_heads == 8 and big.budget.total_tokens() == 100_000_000_000
+    assert big.mixed_precision == "bf16" and big.resume == "latest"
+    launchers = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+    assert [p.stem for p in launchers] == ["ddp", "deepspeed-zero3", "fsdp2"]
+    for path in launchers:
+        cluster = load_config_from_file(str(path))  # accelerate's own reader rejects unknown keys
+        assert cluster.num_processes == 8, path
+    for path in [*(REPO / "configs").glob("*.yaml"), *launchers]:
+        header = path.read_text().splitlines()[:8]
+        assert any("uptrain.train" in line for line in header), f"{path} header gives no command"
+
+
+def test_overrides_reach_nested_fields_with_types(tmp_path):
+    need_shared()
+    config = load_config(DEMO, tiny_overrides(tmp_path, **{"optim.lr": "1e-3", "budget.tokens": "1e6",
+                                                           "data.repeat_data": "yes", "distill.teacher": MHA8,
+                                                           "mixed_precision": "no"}))
+    assert config.optim.lr == 1e-3 and config.budget.tokens == 1_000_000 and config.data.repeat_data is True
+    assert config.mixed_precision == "no"  # not the YAML 1.1 boolean False
+    assert config.data.val.files and config.distill.teacher == str(MHA8) and config.log.log_with == []
+    fraction = load_config(DEMO, tiny_overrides(tmp_path, **{"budget.tokens": "null", "budget.fraction": 0.05,
+                                                             "budget.pretrain_tokens": "2e6"}))
+    assert fraction.budget.total_tokens() == 100_000
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=1", "unknown config field 'optim.lrr'"),
+    ("colour=blue", "unknown config field 'colour'"),
+    ("batch.micro_batch=many", "'batch.micro_batch' must be int"),
+    ("budget.fraction=0.5", "either budget.tokens or budget.fraction"),
+    ("mixed_precision=fp8", "mixed_precision must be"),
+    ("optim.lr", "is not key=value"),
+    ("data.train.streaming=true data.val=null", "a streaming data.train needs a separate validation source"),
+    ("data.val.streaming=true eval.max_batches=null", "a streaming data.val needs eval.max_batches"),
+    ("data.shuffle_buffer=100", "applies only to a streaming data.train"),
+])
+def test_invalid_fields_are_usage_errors(tmp_path, override, message):
+    need_shared()
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        load_config(DEMO, tiny_overrides(tmp_path) + override.split(" "))
+
+
+def _teacher_with_other_vocab(tmp_path: Path) -> Path:
+    """A copy of stories260K-mha8 whose tokenizer swaps the ids of two tokens."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(MHA8, teacher)
+    spec = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = [t for t in vocab if t.isalpha() and len(t) > 3][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    return teacher
+
+
+def _other_run(run_dir: Path) -> str:
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run_dir / "run.yaml").write_text("model: some/other/model\nseed: 7\n")
+    return "already holds a run"
+
+
+BAD = {
+    "unknown field": (lambda tmp: ["optim.warmup=3"], "unknown config field 'optim.warmup'"),
+    "missing data": (lambda tmp: ["data.train.files=[/nonexistent/train.txt]"], "data file not found"),
+    "budget below one step": (lambda tmp: ["budget.tokens=511"], "below one optimizer step of 512 tokens"),
+    "model missing": (lambda tmp: [f"model={tmp / 'nothing'}"], "is not a model folder"),
+    "kv heads": (lambda tmp: ["expect_kv_heads=2"], "has 4 key/value heads but expect_kv_heads=2"),
+    "tokenizer mismatch": (lambda tmp: [f"distill.teacher={_teacher_with_other_vocab(tmp)}"], "do not share a tokenizer"),
+    "data below budget": (lambda tmp: ["budget.tokens=2e6"], "set data.repeat_data=true"),
+    "other run": (lambda tmp: [] if _other_run(tmp / "run") else [], "already holds a run"),
+    "other run resumed": (lambda tmp: ["resume=latest"] if _other_run(tmp / "run") else [], "holds another run's state"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_config_fails_before_any_work(tmp_path, capsys, case):
+    need_shared()
+    extra, message = BAD[case]
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir) + extra(tmp_path)
+    existed = run_dir.exists()
+    assert main([str(DEMO), *args]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    if not existed:
+        assert not run_dir.exists(), "a failing config must not create the run folder"
+    else:
+        assert not (run_dir / "checkpoints").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path, capsys):
+    need_shared()
+    try:
+        import wandb  # noqa: F401
+
+        pytest.skip("wandb is installed here: nothing to refuse")
+    except ImportError:
+        pass
+    assert main([str(DEMO), *tiny_overrides(tmp_path / "run"), "log.log_with=[wandb]"]) == 2
+    assert "wandb" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_repeat_data_allows_a_budget_beyond_the_data(tmp_path):
+    need_shared()
+    small = tmp_path / "small.txt"
+    small.write_text((GQA4.parent.parent / "corpora" / "tinystories-valid-sample.txt").read_text().splitlines()[0])
+    args = tiny_overrides(tmp_path / "run", steps=2, **{"data.train.files": f"[{small}]", "eval.max_batches": 1})
+    assert main([str(DEMO), *args]) == 2  # one story holds fewer than 16 blocks of 64 tokens
+    assert main([str(DEMO), *args, "data.repeat_data=true"]) == 0

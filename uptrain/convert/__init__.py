@@ -1,0 +1,18 @@
+"""The conversion job: MHA (or GQA) checkpoint -> GQA checkpoint with fewer K/V heads.
+
+Modules, from facts to I/O:
+- architectures: the registry (where each family keeps its K/V weights, as data)
+- hfconfig: reading attention shapes from a config, writing the target config.json
+- heads: pure head math on tensors (pool, repeat, split/merge fused layouts)
+- tensors: which output tensor comes from which source tensors by which rule
+- source: reading source checkpoints (local or Hub; safetensors headers, .bin)
+- shards: the streaming safetensors shard writer and the all-or-nothing output folder
+- plan, modelcard: what is printed and written about a conversion
+- pipeline: prepare + write; __main__: the CLI
+
+Python API: `from uptrain.convert import convert`.
+"""
+
+from uptrain.convert.pipeline import RECORD_FILE, convert, prepare
+
+__all__ = ["RECORD_FILE", "convert", "prepare"]

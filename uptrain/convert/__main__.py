@@ -1,0 +1,62 @@
+"""`python -m uptrain.convert CKPT --kv-heads N --out DIR`: MHA (or GQA) -> GQA with fewer K/V heads.
+
+The command-line face of uptrain.convert.pipeline: parse, print the plan, write (or not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+from pathlib import Path
+
+from uptrain.convert.heads import METHODS
+from uptrain.convert.pipeline import prepare, write_converted
+from uptrain.convert.plan import format_plan
+from uptrain.convert.shards import check_output_path
+from uptrain.errors import UsageError, exit_on_usage_error
+from uptrain.units import DTYPES, parse_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m uptrain.convert", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", help="local checkpoint folder or Hugging Face Hub model id")
+    p.add_argument("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion")
+    p.add_argument("--out", type=Path, help="output folder (required unless --dry-run)")
+    p.add_argument("--method", choices=METHODS, default="mean",
+                   help="mean: the paper's mean pooling (default); first / random: the paper's ablations")
+    p.add_argument("--seed", type=int, default=0, help="seed of --method random")
+    p.add_argument("--revision", help="Hub branch, tag or commit")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: keep the source's)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    return p
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.dry_run and args.out is None:
+        raise UsageError("--out is required (or pass --dry-run to only print the plan)")
+    max_shard = parse_size(args.max_shard_size)
+    source, plan, outputs, new_config = prepare(args.checkpoint, args.kv_heads, args.method, args.seed,
+                                                args.revision, DTYPES.get(args.dtype))
+    print(format_plan(plan))
+    if args.dry_run:
+        print("dry run: nothing written")
+        return 0
+    check_output_path(args.out, source.path, args.force)
+    try:
+        write_converted(source, plan, outputs, new_config, args.out, max_shard)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise UsageError(f"cannot write {args.out}: {err.strerror}; free space and run again "
+                             f"(nothing was left behind)") from err
+        raise
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

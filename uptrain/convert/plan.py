@@ -1,0 +1,107 @@
+"""The conversion plan: what changes, parameter counts and KV-cache sizes, before anything is written.
+
+`--dry-run` prints it; a real conversion writes it into the model card and `uptrain_conversion.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from uptrain import __version__
+from uptrain.convert.architectures import Family
+from uptrain.units import kv_cache_bytes_per_token
+from uptrain.convert.tensors import AttentionDims, OutputTensor
+
+
+@dataclass
+class ConversionPlan:
+    """Everything a user wants to know about a conversion (sizes in bytes)."""
+
+    source: str
+    model_type: str
+    dims: AttentionDims
+    new_kv_heads: int
+    method: str
+    seed: int
+    dtype: str
+    params_before: int
+    params_after: int
+    kv_bytes_per_token_before: int
+    kv_bytes_per_token_after: int
+    max_context: int | None
+    notes: list[str] = field(default_factory=list)
+    revision: str | None = None
+
+    @property
+    def group_size(self) -> int:
+        return self.dims.kv_heads // self.new_kv_heads
+
+    @property
+    def kv_reduction(self) -> float:
+        return self.kv_bytes_per_token_before / self.kv_bytes_per_token_after
+
+    def record(self) -> dict[str, Any]:
+        """The machine-readable record written beside the converted weights."""
+        return {"uptrain_version": __version__, **asdict(self), "kv_reduction": self.kv_reduction}
+
+
+def plan_conversion(source: str, revision: str | None, config: dict[str, Any], family: Family,
+              dims: AttentionDims, new_kv: int, method: str, seed: int,
+              source_params: int, outputs: list[OutputTensor], kv_dtype: torch.dtype) -> ConversionPlan:
+    """Sizes from the planned outputs; the cache is counted in `kv_dtype` (that of the K/V outputs)."""
+    bytes_per = kv_dtype.itemsize
+    notes: list[str] = []
+    if family.approximate:
+        notes.append(f"approximate conversion: {family.approximate}")
+    if not family.cache_shrinks:
+        notes.append("no KV-cache saving in transformers for this type: its cache stores K/V for every "
+                     "query head; the saving is in parameters and in runtimes that cache grouped K/V")
+    if config.get("sliding_window"):
+        notes.append(f"sliding-window layers cap their cache at {config['sliding_window']} tokens")
+    before = kv_cache_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, bytes_per)
+    after = kv_cache_bytes_per_token(dims.layers, new_kv, dims.head_dim, bytes_per)
+    if not family.cache_shrinks:
+        before = after = kv_cache_bytes_per_token(dims.layers, dims.heads, dims.head_dim, bytes_per)
+    return ConversionPlan(
+        source=source, revision=revision, model_type=config["model_type"], dims=dims,
+        new_kv_heads=new_kv, method=method, seed=seed, dtype=str(kv_dtype).removeprefix("torch."),
+        params_before=source_params, params_after=sum(o.spec.numel for o in outputs),
+        kv_bytes_per_token_before=before, kv_bytes_per_token_after=after,
+        max_context=config.get("max_position_embeddings") or config.get("n_positions"), notes=notes)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_plan(plan: ConversionPlan) -> str:
+    """A human-readable table of the plan."""
+    d = plan.dims
+    rows = [
+        ("source", plan.source + (f" @ {plan.revision}" if plan.revision else "")),
+        ("model type", plan.model_type),
+        ("method", plan.method + (f" (seed {plan.seed})" if plan.method == "random" else "")),
+        ("layers", str(d.layers)),
+        ("per layer", f"{d.heads} query heads, K/V heads {d.kv_heads} -> {plan.new_kv_heads} "
+                      f"(groups of {plan.group_size}), head_dim {d.head_dim}"),
+        ("parameters", f"{plan.params_before:,} -> {plan.params_after:,} "
+                       f"({plan.params_after - plan.params_before:+,})"),
+        ("KV cache / token", f"{human_bytes(plan.kv_bytes_per_token_before)} -> "
+                             f"{human_bytes(plan.kv_bytes_per_token_after)} ({plan.dtype}, "
+                             f"{plan.kv_reduction:.1f}x smaller)"),
+    ]
+    if plan.max_context:
+        rows.append((f"KV cache @ {plan.max_context} tok",
+                     f"{human_bytes(plan.kv_bytes_per_token_before * plan.max_context)} -> "
+                     f"{human_bytes(plan.kv_bytes_per_token_after * plan.max_context)} per sequence"))
+    rows += [("note", n) for n in plan.notes]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

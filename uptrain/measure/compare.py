@@ -1,0 +1,103 @@
+"""The whole trade in one table: a source MHA model against its GQA conversions.
+
+`python -m uptrain.compare SOURCE_MHA GQA [GQA ...] --data FILE... [bench options]`
+
+For every model: KV-cache bytes per token (measured) and the reduction against the source,
+median decode tokens/s and the speed-up against the source, loss and perplexity on the
+data and the perplexity change. Reuses `uptrain.eval` and `uptrain.bench`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from uptrain.measure.bench import BenchResult, add_bench_args, bench_from_args, write_outputs
+from uptrain.errors import exit_on_usage_error
+from uptrain.cli import ArgParser, format_table
+from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, read_texts, source_from_args, window_args
+
+
+@dataclass
+class Comparison:
+    """One model against the source (the source itself has ratios of 1)."""
+
+    model: str
+    kv_heads: int
+    kv_reduction: float  # source KV bytes / this model's KV bytes
+    decode_speedup: dict[str, float]  # "batch x context" -> this tok/s / source tok/s
+    loss: float
+    perplexity: float
+    perplexity_change_pct: float
+    eval: EvalResult
+    bench: BenchResult
+
+
+def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list[Comparison]:
+    """Ratios of every model against the first (the source); inputs are in the same order."""
+    src_e, src_b = evals[0], benches[0]
+    src_speed = {(d.batch, d.context): d.decode_tokens_per_s for d in src_b.decode}
+    rows = []
+    for e, b in zip(evals, benches):
+        speedup = {f"{d.batch}x{d.context}": d.decode_tokens_per_s / src_speed[(d.batch, d.context)]
+                   for d in b.decode if (d.batch, d.context) in src_speed}
+        rows.append(Comparison(
+            model=e.model, kv_heads=b.kv_heads, kv_reduction=src_b.kv_bytes_per_token / b.kv_bytes_per_token,
+            decode_speedup=speedup, loss=e.loss, perplexity=e.perplexity,
+            perplexity_change_pct=100.0 * (e.perplexity / src_e.perplexity - 1.0), eval=e, bench=b,
+        ))
+    return rows
+
+
+def comparison_table(rows: Sequence[Comparison]) -> str:
+    """Markdown: a summary line per model, then decode tok/s (speed-up) per batch x context."""
+    speedups = [list(r.decode_speedup.values()) for r in rows]
+    summary = format_table(
+        ["model", "kv heads", "KV B/token", "KV reduction", "loss", "perplexity", "ppl change",
+         "decode speed-up (geo-mean)"],
+        [[r.model, r.kv_heads, f"{r.bench.kv_bytes_per_token:g}", f"{r.kv_reduction:.2f}x", f"{r.loss:.4f}",
+          f"{r.perplexity:.3f}", f"{r.perplexity_change_pct:+.2f}%",
+          f"{statistics.geometric_mean(s):.2f}x" if s else "-"] for r, s in zip(rows, speedups)],
+    )
+    speed = [{f"{d.batch}x{d.context}": d.decode_tokens_per_s for d in r.bench.decode} for r in rows]
+    settings = list(rows[0].decode_speedup)
+    if not settings:
+        return summary
+    names = [Path(r.model).name for r in rows]
+    detail = format_table(
+        ["batch x context"] + [f"{n} tok/s (speed-up)" for n in names],
+        [[s] + [f"{sp[s]:.1f} ({r.decode_speedup[s]:.2f}x)" if s in sp else "-" for r, sp in zip(rows, speed)]
+         for s in settings],
+    )
+    return summary + "\n\n" + detail
+
+
+@exit_on_usage_error
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: evaluate and benchmark the source and each GQA model, print the comparison."""
+    parser = ArgParser(prog="python -m uptrain.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("source", metavar="SOURCE_MHA", help="the original model folder")
+    parser.add_argument("gqa", nargs="+", metavar="GQA", help="converted / uptrained model folders")
+    add_data_args(parser)
+    add_bench_args(parser)
+    parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
+    args = parser.parse_args(argv)
+    paths = [args.source, *args.gqa]
+    max_length, stride = window_args(args, paths)
+    texts = read_texts(source_from_args(args), args.max_documents)
+    evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device)
+    benches = bench_from_args(args, paths)
+    rows = compare(evals, benches)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"perplexity: max_length {max_length}, stride {stride}, {evals[0].documents} documents; "
+          f"decode: {args.new_tokens} new tokens, median of {args.repeats}; settings are batch x context", file=out)
+    print(comparison_table(rows), file=out)
+    write_outputs(args, [asdict(r) for r in rows], [asdict(b) for b in benches])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

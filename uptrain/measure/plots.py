@@ -1,0 +1,236 @@
+"""PNG plots of the GQA trade: training curves, quality vs uptraining fraction, KV bytes, speed.
+
+Every `plot_*` function writes a PNG (matplotlib, Agg backend) and returns the Figure, so
+callers and tests can inspect the series. CLI:
+
+    python -m uptrain.plots runs RUN_DIR_OR_JSONL [...] [--out loss.png]
+    python -m uptrain.plots alpha TABLE.json|TABLE.csv [--out quality-vs-alpha.png]
+    python -m uptrain.plots bench BENCH.json [--out DIR] [--prefix P]  # bench/compare --json output
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
+from uptrain.cli import ArgParser  # noqa: E402
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Records of a JSON-lines metrics file (or `RUN_DIR/metrics.jsonl`).
+
+    Blank lines, lines that are not JSON objects and a torn last line are skipped.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.is_file():
+        raise UsageError(f"metrics file not found: {p}")
+    records = []
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def _save(fig: Figure, out: str | Path) -> Figure:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return fig
+
+
+def _series(records: Sequence[Mapping], x: str, y: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) of the records that carry numbers for both keys."""
+    pts = [(r[x], r[y]) for r in records
+           if isinstance(r.get(x), (int, float)) and isinstance(r.get(y), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def fill_tokens(records: Sequence[Mapping]) -> list[dict]:
+    """Copies of `records`, those without "tokens" given step x tokens-per-step when known.
+
+    The trainer's validation records carry "step" but not "tokens"; tokens per step is taken
+    from the first record that has both (with step > 0).
+    """
+    per_step = next((r["tokens"] / r["step"] for r in records
+                     if isinstance(r.get("tokens"), (int, float)) and isinstance(r.get("step"), (int, float))
+                     and r["step"] > 0), None)
+    out = []
+    for r in records:
+        r = dict(r)
+        if "tokens" not in r and per_step is not None and isinstance(r.get("step"), (int, float)):
+            r["tokens"] = r["step"] * per_step
+        out.append(r)
+    return out
+
+
+def plot_training_runs(runs: Mapping[str, Sequence[Mapping]], out: str | Path) -> Figure:
+    """Loss (solid) and val_loss (dashed, dots) vs training tokens, one colour per run.
+
+    `runs`: label -> metric records ({"step", "tokens", "loss" and/or "val_loss"}); a run
+    without any "tokens" is drawn against "step".
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xlabel = "tokens"
+    for i, (label, records) in enumerate(runs.items()):
+        records = fill_tokens(records)
+        x = "tokens" if any("tokens" in r for r in records) else "step"
+        xlabel = xlabel if x == "tokens" else "tokens (or step)"
+        for key, style in (("loss", "-"), ("val_loss", "--")):
+            xs, ys = _series(records, x, key)
+            if xs:
+                dots = key == "val_loss" or len(xs) < 3  # a lone point needs a marker to show
+                ax.plot(xs, ys, style, color=f"C{i}", marker="o" if dots else None,
+                        markersize=3, label=f"{label} {key}")
+    if not ax.lines:
+        plt.close(fig)
+        raise UsageError("no run has records with tokens/step and loss/val_loss")
+    ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title="Uptraining loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def read_alpha_table(path: str | Path) -> list[dict]:
+    """Rows {kv, method, alpha, val_loss} from a JSON list or a CSV file with that header."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"table not found: {p}")
+    if p.suffix.lower() == ".csv":
+        with p.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    else:
+        rows = json.loads(p.read_text())
+    try:
+        return [{"kv": int(r["kv"]), "method": str(r.get("method", "mean")),
+                 "alpha": float(r["alpha"]), "val_loss": float(r["val_loss"])} for r in rows]
+    except (KeyError, TypeError, ValueError) as err:
+        raise UsageError(f"{p}: each row needs kv, alpha, val_loss (and method): {err}") from None
+
+
+def plot_quality_vs_alpha(rows: Sequence[Mapping], out: str | Path, reference: float | None = None) -> Figure:
+    """Validation loss vs uptraining fraction alpha, one line per (kv heads, method).
+
+    `reference`: the source model's loss, drawn as a horizontal line when given.
+    """
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for r in rows:
+        groups[(int(r["kv"]), str(r.get("method", "mean")))].append((float(r["alpha"]), float(r["val_loss"])))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (kv, method), pts in sorted(groups.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{kv} KV heads, {method}")
+    if reference is not None:
+        ax.axhline(reference, color="k", linestyle=":", label="source model")
+    ax.set(xlabel="uptraining fraction alpha", ylabel="validation loss (nats/token)",
+           title="Quality vs uptraining fraction")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def _label(row: Mapping) -> str:
+    return f"{Path(str(row['model'])).name} ({row['kv_heads']} kv)"
+
+
+def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
+    """Measured KV-cache bytes (batch 1) vs context length, one line per model.
+
+    `bench_rows`: `dataclasses.asdict(BenchResult)` dicts (context keys may be strings, as in JSON).
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in bench_rows:
+        pts = sorted((int(c), b) for c, b in row["kv_bytes"].items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_label(row))
+    ax.set(xlabel="context length (tokens)", ylabel="KV-cache bytes (batch 1)", title="KV-cache size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_decode_speed(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
+    """Median decode tokens/s vs context length, one line per (model, batch)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = ["-", "--", ":", "-."]
+    for i, row in enumerate(bench_rows):  # colour: model; line style and marker: batch size
+        by_batch: dict[int, list[tuple[int, float]]] = defaultdict(list)
+        for d in row["decode"]:
+            by_batch[d["batch"]].append((d["context"], d["decode_tokens_per_s"]))
+        for j, (batch, pts) in enumerate(sorted(by_batch.items())):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[j % 4], color=f"C{i}", marker="osD^v"[j % 5],
+                    label=f"{_label(row)}, batch {batch}")
+    ax.set(xlabel="context length (tokens)", ylabel="decode tokens/s (median)", title="Decode throughput", yscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # many series: beside the axes
+    return _save(fig, out)
+
+
+def plot_bench(bench_rows: Sequence[Mapping], directory: str | Path, prefix: str = "") -> list[str]:
+    """Write `{prefix}kv-bytes.png` and `{prefix}decode-speed.png` (if any decode rows) into `directory`."""
+    written = [str(Path(directory) / f"{prefix}kv-bytes.png")]
+    plot_kv_bytes(bench_rows, written[0])
+    if any(row["decode"] for row in bench_rows):
+        written.append(str(Path(directory) / f"{prefix}decode-speed.png"))
+        plot_decode_speed(bench_rows, written[1])
+    return written
+
+
+@exit_on_usage_error
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: plot training runs, an alpha table, or bench JSON."""
+    parser = ArgParser(prog="python -m uptrain.plots", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    p_runs = sub.add_parser("runs", help="loss vs tokens of run folders / metrics.jsonl files")
+    p_runs.add_argument("runs", nargs="+", metavar="RUN")
+    p_runs.add_argument("--out", help="PNG path (default: RUN/loss.png for one run, else loss.png)")
+    p_alpha = sub.add_parser("alpha", help="val_loss vs uptraining fraction from a JSON/CSV table")
+    p_alpha.add_argument("table")
+    p_alpha.add_argument("--reference", type=float, default=None, help="source model loss")
+    p_alpha.add_argument("--out", default="quality-vs-alpha.png")
+    p_bench = sub.add_parser("bench", help="KV bytes and decode speed from bench --json output")
+    p_bench.add_argument("json")
+    p_bench.add_argument("--out", default=".", help="folder for kv-bytes.png and decode-speed.png")
+    p_bench.add_argument("--prefix", default="", help="prefix of the two file names")
+    args = parser.parse_args(argv)
+
+    if args.what == "runs":
+        runs = {Path(r).name if Path(r).is_dir() else Path(r).stem: read_metrics(r) for r in args.runs}
+        out = args.out or (str(Path(args.runs[0]) / "loss.png") if len(args.runs) == 1 and Path(args.runs[0]).is_dir()
+                           else "loss.png")
+        plot_training_runs(runs, out)
+        written = [out]
+    elif args.what == "alpha":
+        plot_quality_vs_alpha(read_alpha_table(args.table), args.out, args.reference)
+        written = [args.out]
+    else:
+        if not Path(args.json).is_file():
+            raise UsageError(f"bench JSON not found: {args.json}")
+        data = json.loads(Path(args.json).read_text())
+        rows = [r.get("bench", r) for r in data]  # compare JSON nests bench results
+        written = plot_bench(rows, args.out, args.prefix)
+    for w in written:
+        print(f"wrote {w}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

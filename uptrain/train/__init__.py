@@ -1,0 +1,12 @@
+"""The uptraining job: continue pre-training a (converted) checkpoint with accelerate.
+
+Modules: config (dataclasses + YAML), sources and packing (text -> token blocks), setup (checks
+and everything built before step 1), losses, run_state (checkpoints and resume), loop (the run
+itself), report (metrics, plots, the final model folder); __main__ is the CLI.
+
+Python API: `from uptrain.train import train`.
+"""
+
+from uptrain.train.loop import train
+
+__all__ = ["train"]

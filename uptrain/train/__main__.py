@@ -1,0 +1,34 @@
+"""Continue pre-training (uptrain) a Hugging Face causal LM, e.g. a model converted to GQA.
+
+    python -m uptrain.train configs/demo-cpu.yaml model=path/to/model optim.lr=1e-3
+    accelerate launch -m uptrain.train CONFIG.yaml [key=value ...]
+
+See uptrain/train/config.py for every config field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from uptrain.errors import exit_on_usage_error
+from uptrain.train.config import load_config
+from uptrain.train.loop import TrainingDiverged, train
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m uptrain.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nested fields (optim.lr=1e-3)")
+    args = parser.parse_args(argv)
+    try:
+        train(load_config(args.config, args.overrides))
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Typed configuration of a training run: dataclasses with defaults, read from YAML, overridable
+with `key=value` arguments (dotted for nested fields, e.g. `optim.lr=1e-3`).
+
+Every field is checked: unknown keys, wrong types and impossible values raise `UsageError` with
+the dotted name of the field, so a bad config fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from uptrain.train.sources import DataSource
+from uptrain.errors import UsageError
+
+
+@dataclass
+class DataConfig:
+    """Training text, validation text and how it becomes blocks of `seq_len` tokens."""
+
+    train: DataSource = field(default_factory=DataSource)
+    val: DataSource | None = None  # separate validation text (required with a streaming train); else `val_fraction`
+    val_fraction: float = 0.05  # held-out share of the packed train blocks when `val` is unset
+    seq_len: int = 512  # tokens per packed block (documents joined with EOS)
+    repeat_data: bool = False  # loop over the data when the budget needs more (reshuffled per epoch; a
+    # stream restarts in order, or reshuffled by seed + epoch with shuffle_buffer)
+    shuffle_buffer: int = 0  # streaming train source: seeded buffer shuffle of blocks (0: stream order)
+    num_proc: int | None = None  # worker processes for tokenization (datasets.map)
+
+
+@dataclass
+class BudgetConfig:
+    """How many tokens to train on: `tokens`, or `fraction` x `pretrain_tokens` (paper: 0.05)."""
+
+    tokens: int | None = None
+    fraction: float | None = None
+    pretrain_tokens: int | None = None
+
+    def total_tokens(self) -> int:
+        """The budget in tokens."""
+        if self.tokens is not None:
+            return int(self.tokens)
+        return int(self.fraction * self.pretrain_tokens)  # validated: both set
+
+
+@dataclass
+class BatchConfig:
+    """Per-process micro batch (sequences) and gradient-accumulation steps per optimizer step."""
+
+    micro_batch: int = 8
+    grad_accum: int = 1
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio` x `lr`."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation from a frozen teacher (e.g. the original MHA checkpoint).
+
+    loss = alpha_kd * T^2 * KL(teacher_T || student_T) + (1 - alpha_kd) * LM loss, per target token.
+    """
+
+    teacher: str | None = None  # path of the teacher; None disables distillation
+    alpha_kd: float = 0.5
+    temperature: float = 1.0
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss and perplexity at step 0, every `every` steps and at the end."""
+
+    every: int = 100  # 0: only at start and end
+    max_batches: int | None = None  # cap on validation batches in total (all processes)
+    batch_size: int | None = None  # defaults to batch.micro_batch
+
+
+@dataclass
+class CheckpointConfig:
+    """accelerate save_state every `every` steps into run_dir/checkpoints, keeping the last `keep`."""
+
+    every: int = 500  # 0: no intermediate checkpoints
+    keep: int = 2
+
+
+@dataclass
+class LogConfig:
+    """Metrics go to run_dir/metrics.jsonl and to accelerate trackers named in `log_with`."""
+
+    every: int = 1  # steps between metric records
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb
+    project: str = "uptrain"  # tracker project (W&B project / TensorBoard subfolder)
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """One uptraining run of a Hugging Face causal LM."""
+
+    model: str = ""  # folder of the (converted) model to train
+    run_dir: str = "runs/run"  # checkpoints, metrics, final model
+    tokenizer: str | None = None  # defaults to `model`
+    expect_kv_heads: int | None = None  # fail unless the model has this num_key_value_heads
+    resume: str | None = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # allow replacing another run's state in run_dir
+    seed: int = 0
+    mixed_precision: str = "no"  # no, bf16, fp16
+    gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model
+    data: DataConfig = field(default_factory=DataConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> None:
+        """Raise UsageError on values that cannot work (paths are checked by the trainer)."""
+        checks = [
+            (bool(self.model), "model: give the folder of the model to train"),
+            (self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision must be no, bf16 or fp16"),
+            (self.resume in (None, "latest") or Path(self.resume).is_dir(),
+             f"resume must be 'latest' or an existing checkpoint folder, got {self.resume!r}"),
+            (self.data.seq_len >= 2, "data.seq_len must be at least 2"),
+            (0.0 <= self.data.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
+            (self.data.val is not None or self.data.val_fraction > 0,
+             "no validation set: give data.val or data.val_fraction > 0"),
+            (self.batch.micro_batch >= 1 and self.batch.grad_accum >= 1,
+             "batch.micro_batch and batch.grad_accum must be at least 1"),
+            (self.optim.lr > 0 and 0 <= self.optim.min_lr_ratio <= 1,
+             "optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]"),
+            (self.optim.warmup_steps >= 0 and self.optim.grad_clip >= 0,
+             "optim.warmup_steps and optim.grad_clip must be >= 0"),
+            (0.0 <= self.distill.alpha_kd <= 1.0 and self.distill.temperature > 0,
+             "distill.alpha_kd must be in [0, 1] and distill.temperature > 0"),
+            (self.eval.every >= 0 and self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
+             "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
+            (self.log.every >= 1, "log.every must be at least 1"),
+            (set(self.log.log_with) <= {"tensorboard", "wandb"},
+             f"log.log_with takes tensorboard and/or wandb, got {self.log.log_with}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+        b = self.budget
+        if (b.tokens is None) == (b.fraction is None):
+            raise UsageError("budget: give either budget.tokens or budget.fraction (with budget.pretrain_tokens)")
+        if b.fraction is not None and (b.pretrain_tokens is None or not 0 < b.fraction <= 1):
+            raise UsageError("budget.fraction must be in (0, 1] and needs budget.pretrain_tokens")
+        if b.total_tokens() <= 0:
+            raise UsageError("budget must be a positive number of tokens")
+        self.data.train.validate()
+        if self.data.train.streaming and self.data.val is None:
+            raise UsageError("a streaming data.train needs a separate validation source: give data.val")
+        if self.data.val is not None and self.data.val.streaming and self.eval.max_batches is None:
+            raise UsageError("a streaming data.val needs eval.max_batches (its first max_batches batches are evaluated)")
+        if self.data.shuffle_buffer < 0 or (self.data.shuffle_buffer and not self.data.train.streaming):
+            raise UsageError("data.shuffle_buffer must be >= 0 and applies only to a streaming data.train")
+        if self.data.val is not None:
+            self.data.val.validate()
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Turn a YAML / command-line value into the type `hint` of field `name`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(value, args[0], name)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise UsageError(f"config field {name!r} must be a mapping, got {value!r}")
+        return _build(hint, value, name + ".")
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(v, typing.get_args(hint)[0], name) for v in items]
+    try:
+        if hint is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+                return value.lower() in ("true", "yes")
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if hint is int:
+            number = float(value) if isinstance(value, str) else value  # YAML reads 1e9 as a string
+            if isinstance(number, bool) or float(number) != int(number):
+                raise ValueError
+            return int(number)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if hint is str:
+            if isinstance(value, bool):  # YAML 1.1 reads a bare no / yes as a boolean
+                return "yes" if value else "no"
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise UsageError(f"config field {name!r} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a dict; unknown keys are errors naming the dotted field."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise UsageError(f"unknown config field {prefix + str(key)!r}; known fields: {', '.join(sorted(known))}")
+    return cls(**{key: _coerce(value, hints[key], prefix + key) for key, value in raw.items()})
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set `a.b.c=value` overrides (values parsed as YAML) into the nested dict `raw`."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"override {item!r} is not key=value (e.g. optim.lr=1e-3)")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"override {item!r}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(text) if text else None
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML run config, apply `key=value` overrides, validate, return the TrainConfig."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path} must hold a mapping of config fields")
+    config = _build(TrainConfig, apply_overrides(raw, overrides or []))
+    config.validate()
+    return config
+
+
+def to_dict(config: TrainConfig) -> dict:
+    """The config as plain nested dicts (for YAML dumps, trackers and the model card)."""
+    return dataclasses.asdict(config)

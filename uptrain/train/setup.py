@@ -1,0 +1,150 @@
+"""Everything the trainer checks and builds before the first step.
+
+All checks run before any heavy work (data tokenization, weight loading), so a bad config fails
+in seconds with one line (UsageError -> exit code 2).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from accelerate import Accelerator
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from uptrain.convert.hfconfig import model_shape
+from uptrain.errors import UsageError
+from uptrain.train.packing import StreamSchedule, load_blocks, load_stream_blocks, schedule_blocks, split_blocks
+from uptrain.train.config import OptimConfig, TrainConfig
+
+
+def _model_config(path: str, role: str):
+    """The Hugging Face config of the model folder `path` (UsageError when it is not one)."""
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(f"{role} path {path} is not a model folder (no config.json); check the path")
+    return AutoConfig.from_pretrained(path)
+
+
+def _tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in folder `path` (UsageError when there is none that loads)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(f"cannot load a tokenizer from {path}: {str(err).splitlines()[0]}") from err
+
+
+def check_models(config: TrainConfig) -> PreTrainedTokenizerBase:
+    """Check student, teacher and tokenizers; return the student's tokenizer."""
+    student = _model_config(config.model, "model")
+    kv_heads = model_shape(student).kv_heads  # registry field: Falcon num_kv_heads, GPTBigCode multi_query
+    if config.expect_kv_heads is not None and kv_heads != config.expect_kv_heads:
+        raise UsageError(
+            f"model {config.model} has {kv_heads} key/value heads but expect_kv_heads={config.expect_kv_heads}; "
+            "convert it first or fix expect_kv_heads"
+        )
+    tokenizer = _tokenizer(config.tokenizer or config.model)
+    if config.distill.teacher:
+        teacher = _model_config(config.distill.teacher, "distill.teacher")
+        teacher_tok = _tokenizer(config.distill.teacher)
+        # Distillation compares distributions token by token: ids must mean the same strings.
+        if teacher_tok.get_vocab() != tokenizer.get_vocab() or teacher.vocab_size != student.vocab_size:
+            raise UsageError(
+                f"teacher {config.distill.teacher} and student {config.model} do not share a tokenizer "
+                f"(vocab {len(teacher_tok)} vs {len(tokenizer)}); distillation needs identical vocabularies"
+            )
+    return tokenizer
+
+
+@dataclass
+class RunPlan:
+    """How the token budget becomes optimizer steps."""
+
+    total_tokens: int
+    steps: int
+    sequences_per_step: int  # global: micro_batch x grad_accum x processes
+    tokens_per_step: int  # sequences_per_step x seq_len
+
+    def describe(self, config: TrainConfig, world: int, n_params: int, n_train: int | None, n_val: int) -> str:
+        """Human-readable plan printed at the start of a run."""
+        b = config.batch
+        return (
+            f"plan: {self.steps} steps x {self.tokens_per_step:,} tokens = {self.steps * self.tokens_per_step:,} "
+            f"tokens (budget {self.total_tokens:,}); {self.sequences_per_step} sequences/step = "
+            f"micro_batch {b.micro_batch} x grad_accum {b.grad_accum} x {world} processes, seq_len "
+            f"{config.data.seq_len}; model {n_params:,} params; data {'streaming' if n_train is None else n_train} "
+            f"train blocks, {n_val} val blocks"
+        )
+
+
+def plan_run(config: TrainConfig, world: int) -> RunPlan:
+    """Steps from the budget and the global batch; UsageError when it is below one step."""
+    sequences = config.batch.micro_batch * config.batch.grad_accum * world
+    per_step = sequences * config.data.seq_len
+    total = config.budget.total_tokens()
+    if total < per_step:
+        raise UsageError(
+            f"budget of {total:,} tokens is below one optimizer step of {per_step:,} tokens "
+            f"(seq_len x micro_batch x grad_accum x {world} processes); raise the budget or shrink the batch"
+        )
+    return RunPlan(total, total // per_step, sequences, per_step)
+
+
+def build_data(
+    config: TrainConfig, tokenizer, plan: RunPlan, accelerator: Accelerator, skip_blocks: int = 0
+) -> tuple[datasets.Dataset | StreamSchedule, datasets.Dataset, int | None]:
+    """(train blocks for the whole run, validation blocks, train blocks available or None).
+
+    A non-streaming train source is tokenized whole and scheduled by a seeded shuffle (a resumed
+    run skips batches in the loader); a streaming one becomes a `StreamSchedule` that packs on the
+    fly and starts after the `skip_blocks` blocks a resumed run already consumed.
+    """
+    d = config.data
+    n_sequences = plan.steps * plan.sequences_per_step
+    val = None
+    if d.val is not None and d.val.streaming:
+        # Evaluation needs a fixed, indexable set: the first max_batches x batch blocks of the stream.
+        n_val = config.eval.max_batches * (config.eval.batch_size or config.batch.micro_batch)
+        val = datasets.Dataset.from_list(list(itertools.islice(load_stream_blocks(d.val, tokenizer, d.seq_len), n_val)))
+        if len(val) == 0:
+            raise UsageError(f"data source {d.val.files or d.val.dataset} gives no full block of {d.seq_len} tokens")
+    if d.train.streaming:
+        train = StreamSchedule(d.train, tokenizer, d.seq_len, n_sequences, config.seed, d.repeat_data,
+                               d.shuffle_buffer, skip_blocks)
+        if val is None:
+            with accelerator.main_process_first():
+                val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)  # validated: data.val is set
+        return train, val, None
+    # The main process tokenizes first and fills the datasets cache; the others then read it.
+    with accelerator.main_process_first():
+        train = load_blocks(d.train, tokenizer, d.seq_len, d.num_proc)
+        if d.val is not None and val is None:
+            val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)
+    train, val = split_blocks(train, val, d.val_fraction, config.seed)
+    scheduled = schedule_blocks(train, n_sequences, config.seed, d.repeat_data)
+    return scheduled, val, len(train)
+
+
+def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay only on matrices (not on norms and biases), as in GPT-2/nanoGPT."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
+
+    A pure function of the step, so a resumed run needs no scheduler state to get it right.
+    """
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
+    min_lr = o.lr * o.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (o.lr - min_lr)

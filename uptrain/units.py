@@ -1,0 +1,31 @@
+"""Sizes, dtypes and the KV-cache formula: one of each, shared by convert, train and measure."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from uptrain.errors import UsageError
+
+# Output / load dtypes a user can name on a command line.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 (bytes; decimal and binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise UsageError(f"cannot read size {text!r}; write it like 5GB, 500MB or 2GiB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value < 1:
+        raise UsageError(f"size {text!r} must be positive")
+    return value
+
+
+def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """KV-cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
+    return 2 * layers * kv_heads * head_dim * bytes_per_element
