@@ -118,3 +118,32 @@ def test_bench_and_compare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert bench.main([str(tmp_path / "missing")]) == 2
     assert bench.main([gqa, "--context", "600"]) == 2  # beyond max_position_embeddings 512
     assert bench.main([gqa, "--memory-budget", "lots"]) == 2
+
+
+def _decode(times: list[float], batch: int = 1, new_tokens: int = 11) -> bench.DecodeResult:
+    rate = batch * (new_tokens - 1) / sorted(times)[len(times) // 2]
+    return bench.DecodeResult(batch=batch, context=16, new_tokens=new_tokens, decode_tokens_per_s=rate,
+                              generate_tokens_per_s=rate, times_s=times, decode_times_s=times)
+
+
+def test_unmeasurable_timings_are_reported_as_such_not_as_speedups() -> None:
+    steady, short, noisy = _decode([0.20, 0.21, 0.22]), _decode([0.001, 0.001, 0.002]), _decode([0.1, 0.2, 0.4])
+    assert steady.unreliable is None and steady.decode_range == pytest.approx((10 / 0.22, 10 / 0.20))
+    assert "too short" in short.unreliable and "noisy" in noisy.unreliable
+    assert "10.0-10.0" not in bench.format_decode(steady) and ": " not in bench.format_decode(steady)
+
+    def result(d: bench.DecodeResult, kv: int) -> bench.BenchResult:
+        return bench.BenchResult(model=f"m{kv}", dtype="float32", device="cpu", threads=1, layers=1, kv_heads=kv,
+                                 head_dim=8, weight_bytes=1, kv_bytes_per_token_formula=16 * kv,
+                                 kv_bytes_per_token=16 * kv, kv_bytes={16: 256 * kv}, max_batch=None, decode=[d])
+
+    rows = compare.compare([_eval("m8"), _eval("m2")], [result(steady, 8), result(short, 2)])
+    table = compare.comparison_table(rows)
+    assert "too short" in table and "not measurable" in table
+    assert rows[1].decode_unreliable == {"1x16": short.unreliable}
+    rows = compare.compare([_eval("m8"), _eval("m2")], [result(steady, 8), result(_decode([0.1, 0.1, 0.1]), 2)])
+    assert "2.10x" in compare.comparison_table(rows) and not rows[1].decode_unreliable  # 0.21 s / 0.1 s
+
+
+def _eval(name: str) -> compare.EvalResult:
+    return compare.EvalResult(model=name, loss=1.0, perplexity=2.718, tokens=10, documents=1)

@@ -30,6 +30,10 @@ from uptrain.measure.eval import LOAD_DTYPES, load_model
 from uptrain.units import kv_cache_bytes_per_token, parse_size
 
 
+MIN_DECODE_S = 0.05  # shortest decode time per repeat that we report as a speed
+MAX_SPREAD = 0.25  # widest (max - min) / median over repeats that we report as a speed
+
+
 @dataclass
 class DecodeResult:
     """Median timings of `generate` for one (batch, context) setting."""
@@ -37,9 +41,33 @@ class DecodeResult:
     batch: int
     context: int
     new_tokens: int
-    decode_tokens_per_s: float  # batch x (new_tokens - 1) / time after the first new token
+    decode_tokens_per_s: float  # batch x (new_tokens - 1) / time after the first new token (median)
     generate_tokens_per_s: float  # batch x new_tokens / whole generate call (prefill included)
     times_s: list[float] = field(default_factory=list)  # whole generate call, per repeat
+    decode_times_s: list[float] = field(default_factory=list)  # decode part, per repeat
+
+    @property
+    def decode_range(self) -> tuple[float, float]:
+        """(slowest, fastest) decode tokens/s over the repeats."""
+        rates = [self.batch * (self.new_tokens - 1) / t for t in self.decode_times_s] or [self.decode_tokens_per_s]
+        return min(rates), max(rates)
+
+    @property
+    def unreliable(self) -> str | None:
+        """Why this timing cannot carry a headline number (None when it can).
+
+        Below MIN_DECODE_S per repeat, timer resolution, thread wake-ups and the OS scheduler
+        dominate; a spread (max - min) / median above MAX_SPREAD means another job was competing.
+        """
+        if not self.decode_times_s:
+            return None
+        median = statistics.median(self.decode_times_s)
+        if median < MIN_DECODE_S:
+            return f"too short ({median * 1e3:.1f} ms per repeat; raise --new-tokens or --batch)"
+        spread = (max(self.decode_times_s) - min(self.decode_times_s)) / median
+        if len(self.decode_times_s) > 1 and spread > MAX_SPREAD:
+            return f"noisy (repeats spread {spread:.0%}; a competing job? raise --repeats)"
+        return None
 
 
 @dataclass
@@ -135,6 +163,7 @@ def decode_throughput(model: torch.nn.Module, batch: int, context: int, new_toke
         batch=batch, context=context, new_tokens=new_tokens,
         decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decodes),
         generate_tokens_per_s=batch * new_tokens / statistics.median(totals), times_s=totals,
+        decode_times_s=decodes,
     )
 
 
@@ -199,6 +228,13 @@ def bench_from_args(args: argparse.Namespace, paths: Sequence[str]) -> list[Benc
                         args.repeats, args.memory_budget, args.device) for p in paths]
 
 
+def format_decode(d: DecodeResult) -> str:
+    """'median (min-max)', or why the timing is not a number to quote."""
+    low, high = d.decode_range
+    text = f"{d.decode_tokens_per_s:.1f} ({low:.1f}-{high:.1f})"
+    return f"{text}: {d.unreliable}" if d.unreliable else text
+
+
 def bench_tables(results: Sequence[BenchResult]) -> str:
     """The KV table and the decode table as markdown."""
     kv_rows = [(r.model, f"{r.dtype} {r.device}", r.kv_heads, r.kv_bytes_per_token_formula, f"{r.kv_bytes_per_token:g}",
@@ -207,9 +243,9 @@ def bench_tables(results: Sequence[BenchResult]) -> str:
                for r in results]
     kv = format_table(["model", "dtype device", "kv heads", "KV B/token (formula)", "KV B/token (measured)",
                        "KV bytes at context", "max batch in budget at context"], kv_rows)
-    dec_rows = [(r.model, d.batch, d.context, d.new_tokens, f"{d.decode_tokens_per_s:.1f}",
+    dec_rows = [(r.model, d.batch, d.context, d.new_tokens, format_decode(d),
                  f"{d.generate_tokens_per_s:.1f}") for r in results for d in r.decode]
-    dec = format_table(["model", "batch", "context", "new tokens", "decode tok/s (median)",
+    dec = format_table(["model", "batch", "context", "new tokens", "decode tok/s (median, min-max)",
                         "generate tok/s (median)"], dec_rows)
     return kv + ("\n\n" + dec if dec_rows else "")
 

@@ -29,6 +29,7 @@ class Comparison:
     kv_heads: int
     kv_reduction: float  # source KV bytes / this model's KV bytes
     decode_speedup: dict[str, float]  # "batch x context" -> this tok/s / source tok/s
+    decode_unreliable: dict[str, str]  # "batch x context" -> why that speed-up is not a number to quote
     loss: float
     perplexity: float
     perplexity_change_pct: float
@@ -44,23 +45,42 @@ def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list
     for e, b in zip(evals, benches):
         speedup = {f"{d.batch}x{d.context}": d.decode_tokens_per_s / src_speed[(d.batch, d.context)]
                    for d in b.decode if (d.batch, d.context) in src_speed}
+        # a ratio is only as good as both timings behind it
+        unreliable = {f"{d.batch}x{d.context}": why for d in (*src_b.decode, *b.decode)
+                      if (why := d.unreliable) is not None}
         rows.append(Comparison(
             model=e.model, kv_heads=b.kv_heads, kv_reduction=src_b.kv_bytes_per_token / b.kv_bytes_per_token,
-            decode_speedup=speedup, loss=e.loss, perplexity=e.perplexity,
+            decode_speedup=speedup, decode_unreliable=unreliable, loss=e.loss, perplexity=e.perplexity,
             perplexity_change_pct=100.0 * (e.perplexity / src_e.perplexity - 1.0), eval=e, bench=b,
         ))
     return rows
 
 
+def _geo_mean(row: Comparison, reliable: list[float]) -> str:
+    """Geometric-mean speed-up over the settings whose timings can be quoted."""
+    if reliable:
+        return f"{statistics.geometric_mean(reliable):.2f}x"
+    return "not measurable (see below)" if row.decode_speedup else "-"
+
+
+def _speed_cell(row: Comparison, speed: dict[str, float], setting: str) -> str:
+    """'tok/s (speed-up)' or, when either timing is unreliable, the reason instead of a ratio."""
+    if setting not in speed:
+        return "-"
+    if setting in row.decode_unreliable:
+        return f"{speed[setting]:.1f} ({row.decode_unreliable[setting]})"
+    return f"{speed[setting]:.1f} ({row.decode_speedup[setting]:.2f}x)"
+
+
 def comparison_table(rows: Sequence[Comparison]) -> str:
     """Markdown: a summary line per model, then decode tok/s (speed-up) per batch x context."""
-    speedups = [list(r.decode_speedup.values()) for r in rows]
+    speedups = [[v for k, v in r.decode_speedup.items() if k not in r.decode_unreliable] for r in rows]
     summary = format_table(
         ["model", "kv heads", "KV B/token", "KV reduction", "loss", "perplexity", "ppl change",
          "decode speed-up (geo-mean)"],
         [[r.model, r.kv_heads, f"{r.bench.kv_bytes_per_token:g}", f"{r.kv_reduction:.2f}x", f"{r.loss:.4f}",
           f"{r.perplexity:.3f}", f"{r.perplexity_change_pct:+.2f}%",
-          f"{statistics.geometric_mean(s):.2f}x" if s else "-"] for r, s in zip(rows, speedups)],
+          _geo_mean(r, s)] for r, s in zip(rows, speedups)],
     )
     speed = [{f"{d.batch}x{d.context}": d.decode_tokens_per_s for d in r.bench.decode} for r in rows]
     settings = list(rows[0].decode_speedup)
@@ -69,8 +89,7 @@ def comparison_table(rows: Sequence[Comparison]) -> str:
     names = [Path(r.model).name for r in rows]
     detail = format_table(
         ["batch x context"] + [f"{n} tok/s (speed-up)" for n in names],
-        [[s] + [f"{sp[s]:.1f} ({r.decode_speedup[s]:.2f}x)" if s in sp else "-" for r, sp in zip(rows, speed)]
-         for s in settings],
+        [[s] + [_speed_cell(r, sp, s) for r, sp in zip(rows, speed)] for s in settings],
     )
     return summary + "\n\n" + detail
 
