@@ -59,3 +59,13 @@ def write_json(obj: object, dest: str) -> None:
     else:
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         Path(dest).write_text(text + "\n")
+
+
+def distinct_names(paths: Sequence[str]) -> list[str]:
+    """Shortest trailing path parts that tell the paths apart: runs/a/model, runs/b/model -> a/model, b/model."""
+    parts = [Path(str(p)).parts or (str(p),) for p in paths]
+    for depth in range(1, max(len(x) for x in parts) + 1):
+        names = ["/".join(x[-depth:]) for x in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]

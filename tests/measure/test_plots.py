@@ -79,3 +79,22 @@ def test_bench_plots_from_json(tmp_path: Path) -> None:
     assert plots.main(["bench", str(tmp_path / "bench.json"), "--out", str(tmp_path / "out"), "--prefix", "x-"]) == 0
     for name in ("kv.png", "speed.png", "out/x-kv-bytes.png", "out/x-decode-speed.png"):
         assert_png(tmp_path / name)
+
+
+def test_distillation_runs_plot_lm_loss_and_kd_apart(tmp_path: Path) -> None:
+    """A KD run's `loss` mixes KD and LM: the curve that compares with plain runs is lm_loss."""
+    plain = plots.read_metrics(write_run(tmp_path / "plain", 2.0))
+    kd_run = tmp_path / "kd"
+    kd_run.mkdir()
+    (kd_run / "metrics.jsonl").write_text("\n".join(json.dumps(
+        {"step": s, "loss": 9.0, "lm_loss": 2.0 + 1.0 / s, "kd_loss": 0.5, "tokens": s * 256}) for s in (10, 20)))
+    fig = plots.plot_training_runs({"plain": plain, "kd": plots.read_metrics(kd_run)}, tmp_path / "loss.png")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert set(lines) == {"plain loss", "plain val_loss", "kd lm_loss", "kd kd_loss"}
+    assert 9.0 not in list(lines["kd lm_loss"].get_ydata())
+
+
+def test_bench_labels_tell_same_named_folders_apart(tmp_path: Path) -> None:
+    rows = [{"model": f"runs/{name}/model", "kv_heads": 2, "kv_bytes": {"64": 1}, "decode": []} for name in ("a", "b")]
+    fig = plots.plot_kv_bytes(rows, tmp_path / "kv.png")
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a/model (2 kv)", "b/model (2 kv)"]

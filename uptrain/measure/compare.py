@@ -13,11 +13,10 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from uptrain.measure.bench import BenchResult, add_bench_args, bench_from_args, write_outputs
 from uptrain.errors import exit_on_usage_error
-from uptrain.cli import ArgParser, format_table
+from uptrain.cli import ArgParser, distinct_names, format_table
 from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, read_texts, source_from_args, window_args
 
 
@@ -86,7 +85,7 @@ def comparison_table(rows: Sequence[Comparison]) -> str:
     settings = list(rows[0].decode_speedup)
     if not settings:
         return summary
-    names = [Path(r.model).name for r in rows]
+    names = distinct_names([r.model for r in rows])
     detail = format_table(
         ["batch x context"] + [f"{n} tok/s (speed-up)" for n in names],
         [[s] + [_speed_cell(r, sp, s) for r, sp in zip(rows, speed)] for s in settings],

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
-from uptrain.cli import ArgParser  # noqa: E402
+from uptrain.cli import ArgParser, distinct_names  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -83,10 +83,12 @@ def fill_tokens(records: Sequence[Mapping]) -> list[dict]:
 
 
 def plot_training_runs(runs: Mapping[str, Sequence[Mapping]], out: str | Path) -> Figure:
-    """Loss (solid) and val_loss (dashed, dots) vs training tokens, one colour per run.
+    """LM loss (solid), val_loss (dashed, dots) and KD loss (dotted) vs training tokens, one colour per run.
 
-    `runs`: label -> metric records ({"step", "tokens", "loss" and/or "val_loss"}); a run
-    without any "tokens" is drawn against "step".
+    `runs`: label -> metric records ({"step", "tokens", "lm_loss"/"loss", "val_loss", "kd_loss"});
+    a run without any "tokens" is drawn against "step". The training curve is `lm_loss` where
+    recorded: a distillation run's `loss` mixes in the KD term and would not compare with plain
+    runs; its KD term is drawn on its own.
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xlabel = "tokens"
@@ -94,7 +96,8 @@ def plot_training_runs(runs: Mapping[str, Sequence[Mapping]], out: str | Path) -
         records = fill_tokens(records)
         x = "tokens" if any("tokens" in r for r in records) else "step"
         xlabel = xlabel if x == "tokens" else "tokens (or step)"
-        for key, style in (("loss", "-"), ("val_loss", "--")):
+        train_key = "lm_loss" if any("lm_loss" in r for r in records) else "loss"
+        for key, style in ((train_key, "-"), ("val_loss", "--"), ("kd_loss", ":")):
             xs, ys = _series(records, x, key)
             if xs:
                 dots = key == "val_loss" or len(xs) < 3  # a lone point needs a marker to show
@@ -147,8 +150,10 @@ def plot_quality_vs_alpha(rows: Sequence[Mapping], out: str | Path, reference: f
     return _save(fig, out)
 
 
-def _label(row: Mapping) -> str:
-    return f"{Path(str(row['model'])).name} ({row['kv_heads']} kv)"
+def _labels(bench_rows: Sequence[Mapping]) -> list[str]:
+    """Legend labels: the shortest trailing folder names that tell the models apart, with K/V heads."""
+    names = distinct_names([str(row["model"]) for row in bench_rows])
+    return [f"{name} ({row['kv_heads']} kv)" for name, row in zip(names, bench_rows)]
 
 
 def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
@@ -157,9 +162,9 @@ def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
     `bench_rows`: `dataclasses.asdict(BenchResult)` dicts (context keys may be strings, as in JSON).
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in bench_rows:
+    for row, label in zip(bench_rows, _labels(bench_rows)):
         pts = sorted((int(c), b) for c, b in row["kv_bytes"].items())
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_label(row))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set(xlabel="context length (tokens)", ylabel="KV-cache bytes (batch 1)", title="KV-cache size")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -170,14 +175,14 @@ def plot_decode_speed(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
     """Median decode tokens/s vs context length, one line per (model, batch)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = ["-", "--", ":", "-."]
-    for i, row in enumerate(bench_rows):  # colour: model; line style and marker: batch size
+    for i, (row, label) in enumerate(zip(bench_rows, _labels(bench_rows))):  # colour: model; style: batch
         by_batch: dict[int, list[tuple[int, float]]] = defaultdict(list)
         for d in row["decode"]:
             by_batch[d["batch"]].append((d["context"], d["decode_tokens_per_s"]))
         for j, (batch, pts) in enumerate(sorted(by_batch.items())):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[j % 4], color=f"C{i}", marker="osD^v"[j % 5],
-                    label=f"{_label(row)}, batch {batch}")
+                    label=f"{label}, batch {batch}")
     ax.set(xlabel="context length (tokens)", ylabel="decode tokens/s (median)", title="Decode throughput", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # many series: beside the axes

@@ -37,12 +37,19 @@ class MetricsLog:
 
 
 def plot_losses(records: list[dict], png: Path) -> None:
-    """Training loss per step and validation loss at its evaluation steps, to `png`."""
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    """Training LM loss per step and validation loss at its evaluation steps, to `png`.
+
+    The LM part is drawn (not the KD+LM mix of a distillation run) so runs compare; the KD
+    term, when there is one, gets its own line.
+    """
+    train = [(r["step"], r.get("lm_loss", r["loss"])) for r in records if "loss" in r]
+    kd = [(r["step"], r["kd_loss"]) for r in records if "kd_loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
+        ax.plot(*zip(*train), label="train LM loss", lw=1)
+    if kd:
+        ax.plot(*zip(*kd), ":", label="train KD loss (KL to teacher)", lw=1)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
     ax.set_xlabel("optimizer step")
