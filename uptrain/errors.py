@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -19,7 +20,9 @@ def exit_on_usage_error(main: Callable[..., int | None]) -> Callable[..., int]:
         try:
             return main(*args, **kwargs) or 0
         except UsageError as err:
-            print(f"error: {err}", file=sys.stderr)
+            # Under `accelerate launch` / torchrun every process meets the same bad input: one says so.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {err}", file=sys.stderr)
             return 2
 
     return wrapper

@@ -1,0 +1,38 @@
+"""The modules shared by all rooms: errors, cli helpers, units."""
+
+from __future__ import annotations
+
+import pytest
+
+from uptrain.cli import distinct_names
+from uptrain.errors import UsageError, exit_on_usage_error
+from uptrain.units import kv_cache_bytes_per_token, parse_size
+
+
+@exit_on_usage_error
+def _failing_main() -> int:
+    raise UsageError("bad input; do this instead")
+
+
+def test_usage_error_is_one_line_from_the_main_process_only(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert _failing_main() == 2
+    assert capsys.readouterr().err == "error: bad input; do this instead\n"
+    monkeypatch.setenv("RANK", "1")  # another process of `accelerate launch`: same exit code, silent
+    assert _failing_main() == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_distinct_names_use_the_shortest_telling_suffix() -> None:
+    assert distinct_names(["runs/a/model", "runs/b/model"]) == ["a/model", "b/model"]
+    assert distinct_names(["x/kv4", "y/kv2"]) == ["kv4", "kv2"]
+    assert distinct_names(["same", "same"]) == ["same", "same"]
+
+
+def test_sizes_and_kv_formula() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("1.5 GiB") == 3 * 2**29 and parse_size("100") == 100
+    for bad in ("", "5XB", "-1GB", "0"):
+        with pytest.raises(UsageError):
+            parse_size(bad)
+    assert kv_cache_bytes_per_token(32, 8, 128, 2) == 2 * 32 * 8 * 128 * 2
