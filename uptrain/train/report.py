@@ -67,13 +67,27 @@ def model_card_section(record: dict) -> str:
     return f"\n\n## Uptraining record (uptrain)\n\n| | |\n|---|---|\n{rows}\n"
 
 
+# Licence and notice files travel with the weights (their terms usually require it).
+_LICENCE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE", "COPYING", "USE_POLICY")
+
+
+def files_to_carry(source_dir: Path) -> list[Path]:
+    """Files of the trained-from folder that the final model folder keeps: licences, notices,
+    and uptrain's own records (e.g. the converter's uptrain_conversion.json)."""
+    if not source_dir.is_dir():
+        return []
+    return sorted(p for p in source_dir.iterdir() if p.is_file() and (
+        p.name.upper().startswith(_LICENCE_PREFIXES) or (p.name.startswith("uptrain_") and p.suffix == ".json")))
+
+
 def save_final_model(
     accelerator: Accelerator, model, tokenizer, out_dir: Path, source_dir: Path, record: dict
 ) -> None:
     """Save a from_pretrained-loadable folder (safetensors, config, tokenizer, README.md).
 
     Call on every process: `get_state_dict` gathers sharded weights (FSDP / ZeRO-3).
-    The model card of `source_dir` is kept and extended with the training record.
+    The model card of `source_dir` is kept and extended with the training record; its licence
+    files and uptrain records are copied along.
     """
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -84,6 +98,6 @@ def save_final_model(
         source_card = source_dir / "README.md"
         card = source_card.read_text() if source_card.is_file() else f"# {source_dir.name}, uptrained\n\nContinued pre-training of `{source_dir}` with uptrain."
         (out_dir / "README.md").write_text(card.rstrip() + model_card_section(record))
-        for conversion_record in source_dir.glob("uptrain_*.json"):  # e.g. the converter's record
-            shutil.copy2(conversion_record, out_dir / conversion_record.name)
+        for carried in files_to_carry(source_dir):
+            shutil.copy2(carried, out_dir / carried.name)
     accelerator.wait_for_everyone()
