@@ -36,3 +36,12 @@ def test_sizes_and_kv_formula() -> None:
         with pytest.raises(UsageError):
             parse_size(bad)
     assert kv_cache_bytes_per_token(32, 8, 128, 2) == 2 * 32 * 8 * 128 * 2
+
+
+def test_usage_lines_name_the_command_the_user_typed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uptrain.cli import prog_name
+
+    monkeypatch.setattr("sys.argv", ["/venv/bin/uptrain-eval", "--help"])
+    assert prog_name("uptrain.eval") == "uptrain-eval"
+    monkeypatch.setattr("sys.argv", ["/repo/uptrain/eval.py", "--help"])  # python -m uptrain.eval
+    assert prog_name("uptrain.eval") == "python -m uptrain.eval"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +31,13 @@ class ArgParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def prog_name(module: str) -> str:
+    """How the user called us, for usage lines: the console script's name (`uptrain-eval`) when
+    run through one, else `python -m MODULE`."""
+    called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return called if called.startswith("uptrain-") else f"python -m {module}"
 
 
 def positive_int(text: str) -> int:

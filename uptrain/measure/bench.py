@@ -24,7 +24,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.cli import ArgParser, format_table, positive_int, write_json
+from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.hfconfig import model_shape
 from uptrain.measure.eval import LOAD_DTYPES, load_model
 from uptrain.units import kv_cache_bytes_per_token, parse_size
@@ -264,7 +264,7 @@ def write_outputs(args: argparse.Namespace, records: list[dict], bench_records: 
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: benchmark each MODEL and print KV-cache and decode tables."""
-    parser = ArgParser(prog="python -m uptrain.bench", description=__doc__.splitlines()[0])
+    parser = ArgParser(prog=prog_name("uptrain.bench"), description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", metavar="MODEL", help="local model folders")
     add_bench_args(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from uptrain.measure.bench import BenchResult, add_bench_args, bench_from_args, write_outputs
 from uptrain.errors import exit_on_usage_error
-from uptrain.cli import ArgParser, distinct_names, format_table
+from uptrain.cli import ArgParser, distinct_names, format_table, prog_name
 from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, read_texts, source_from_args, window_args
 
 
@@ -96,7 +96,7 @@ def comparison_table(rows: Sequence[Comparison]) -> str:
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: evaluate and benchmark the source and each GQA model, print the comparison."""
-    parser = ArgParser(prog="python -m uptrain.compare", description=__doc__.splitlines()[0])
+    parser = ArgParser(prog=prog_name("uptrain.compare"), description=__doc__.splitlines()[0])
     parser.add_argument("source", metavar="SOURCE_MHA", help="the original model folder")
     parser.add_argument("gqa", nargs="+", metavar="GQA", help="converted / uptrained model folders")
     add_data_args(parser)

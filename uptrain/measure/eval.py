@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from uptrain.cli import ArgParser, format_table, positive_int, write_json
+from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPES
 
@@ -205,7 +205,7 @@ def window_args(args: argparse.Namespace, model_paths: Sequence[str]) -> tuple[i
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: evaluate each MODEL on the data and print loss and perplexity."""
-    parser = ArgParser(prog="python -m uptrain.eval", description=__doc__.splitlines()[0])
+    parser = ArgParser(prog=prog_name("uptrain.eval"), description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", metavar="MODEL", help="local model folders")
     add_data_args(parser)
     parser.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")

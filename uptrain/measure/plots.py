@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
-from uptrain.cli import ArgParser, distinct_names  # noqa: E402
+from uptrain.cli import ArgParser, distinct_names, prog_name  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -202,7 +202,7 @@ def plot_bench(bench_rows: Sequence[Mapping], directory: str | Path, prefix: str
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: plot training runs, an alpha table, or bench JSON."""
-    parser = ArgParser(prog="python -m uptrain.plots", description=__doc__.splitlines()[0])
+    parser = ArgParser(prog=prog_name("uptrain.plots"), description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     p_runs = sub.add_parser("runs", help="loss vs tokens of run folders / metrics.jsonl files")
     p_runs.add_argument("runs", nargs="+", metavar="RUN")
