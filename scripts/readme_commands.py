@@ -1,0 +1,86 @@
+"""Run the README's command blocks in order, as a new user would type them.
+
+    python scripts/readme_commands.py [--list] [--workdir DIR]
+
+Every ```bash block of README.md runs, top to bottom, one command at a time (comment lines are
+not commands; a trailing backslash continues a line), unless the line before the block is
+`<!-- readme-test: skip (REASON) -->`. Commands run in DIR (default: a fresh temporary folder
+holding copies of the repository's examples/, configs/ and results/), with the virtual
+environment's bin/ first on PATH, so `python -m uptrain.X`, `uptrain-X` and `accelerate` are
+the installed ones. The first command that fails stops the run with its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b")
+COPIED = ("examples", "configs", "results", "scripts")
+
+
+def command_blocks(readme: str) -> list[list[str]]:
+    """The commands of each runnable ```bash block, continuation lines joined."""
+    blocks, lines = [], readme.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != "```bash" or (i > 0 and SKIP.search(lines[i - 1])):
+            continue
+        commands, pending = [], ""
+        for body in lines[i + 1:]:
+            if body.strip() == "```":
+                break
+            text = body.rstrip()
+            if not pending and (not text.strip() or text.lstrip().startswith("#")):
+                continue
+            text = re.sub(r"\s+#.*$", "", text) if not text.rstrip().endswith("\\") else text
+            if text.endswith("\\"):
+                pending += text[:-1].rstrip() + " "
+                continue
+            commands.append((pending + text.strip()).strip())
+            pending = ""
+        blocks.append(commands)
+    return blocks
+
+
+def run_all(workdir: Path, python: Path) -> int:
+    """Run every command in `workdir`; 0 when all pass, else the failing command's exit code."""
+    env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    for n, commands in enumerate(command_blocks((REPO / "README.md").read_text()), 1):
+        for command in commands:
+            start = time.time()
+            proc = subprocess.run(command, shell=True, cwd=workdir, env=env, capture_output=True, text=True,
+                                  executable="/bin/bash")
+            print(f"[block {n}] {time.time() - start:5.1f}s rc={proc.returncode}  {command}", flush=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+                return proc.returncode
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/readme_commands.py", description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true", help="print the commands and run nothing")
+    p.add_argument("--workdir", type=Path, help="where to run (default: a fresh temporary copy)")
+    args = p.parse_args(argv)
+    if args.list:
+        for n, commands in enumerate(command_blocks((REPO / "README.md").read_text()), 1):
+            print("\n".join(f"[block {n}] {c}" for c in commands))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="readme-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        for name in COPIED:
+            if not (workdir / name).exists():
+                shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+        return run_all(workdir, Path(sys.executable))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
