@@ -1,8 +1,11 @@
-"""Shared fixtures: where ../shared is, and tiny real transformers checkpoints built on the fly."""
+"""Shared fixtures: the shipped stories260K checkpoints, where ../shared is, real config files."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,15 @@ SHARED = REPO.parent / "shared"
 MODELS = SHARED / "data" / "models"
 CONFIGS = SHARED / "data" / "configs"
 CORPORA = SHARED / "data" / "corpora"
+EXAMPLES = REPO / "examples"
+EXAMPLE_MHA8 = EXAMPLES / "stories260K-mha8"  # the real stories260K with its 4 K/V heads duplicated
+TRAIN_TXT = EXAMPLES / "data" / "tinystories-train-sample.txt"
+VALID_TXT = EXAMPLES / "data" / "tinystories-valid-sample.txt"
+TEST_CONFIGS = REPO / "tests" / "data" / "configs"  # copies of permissively licensed config.json files
+
+# Models the tests build once per session (so a clone without ../shared runs them), removed at exit.
+BUILT = Path(tempfile.mkdtemp(prefix="uptrain-tests-"))
+atexit.register(shutil.rmtree, BUILT, True)
 
 
 def need_shared(path: Path) -> Path:
@@ -23,6 +35,25 @@ def need_shared(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"needs {path} (../shared is absent on this machine)")
     return path
+
+
+def built_gqa4() -> Path:
+    """The original stories260K (4 K/V heads), rebuilt from the shipped MHA copy by mean pooling.
+
+    Lossless: mha8 duplicates each of gqa4's K/V heads, and the mean of equal values is exact, so
+    the weights are bit-identical to ../shared's stories260K-gqa4. Built on first use, then reused.
+    """
+    out = BUILT / "stories260K-gqa4"
+    if not (out / "config.json").is_file():
+        from uptrain.convert import convert
+        convert(str(EXAMPLE_MHA8), out, 4)
+    return out
+
+
+def real_config(name: str) -> Path:
+    """A public checkpoint's config.json: the copy under tests/data/configs, else ../shared's."""
+    shipped = TEST_CONFIGS / f"{name}.json"
+    return shipped if shipped.is_file() else need_shared(CONFIGS / f"{name}.json")
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +68,17 @@ def one_torch_thread():
 
 @pytest.fixture
 def mha8() -> Path:
-    return need_shared(MODELS / "stories260K-mha8")
+    """The real stories260K in MHA form (8 K/V heads), as shipped in examples/."""
+    return EXAMPLE_MHA8
 
 
 @pytest.fixture
 def gqa4() -> Path:
+    """The real stories260K (4 K/V heads), built from the shipped MHA copy (see built_gqa4)."""
+    return built_gqa4()
+
+
+@pytest.fixture
+def original_gqa4() -> Path:
+    """Karpathy's stories260K exactly as published (../shared): the reference a conversion must hit."""
     return need_shared(MODELS / "stories260K-gqa4")

@@ -1,4 +1,7 @@
-"""Shared paths and a tiny base configuration for the trainer tests (real stories260K, CPU)."""
+"""Shared paths and a tiny base configuration for the trainer tests (real stories260K, CPU).
+
+Everything here is shipped (examples/) or built from it, so the trainer tests run in any clone.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +10,16 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-GQA4 = SHARED / "data" / "models" / "stories260K-gqa4"
-MHA8 = SHARED / "data" / "models" / "stories260K-mha8"
-TRAIN_TXT = SHARED / "data" / "corpora" / "tinystories-train-sample.txt"
-VALID_TXT = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
-GPT2_TOKENIZER = SHARED / "data" / "tokenizers" / "gpt2"
+from conftest import BUILT, EXAMPLE_MHA8 as MHA8, REPO, TRAIN_TXT, VALID_TXT, built_gqa4
+
+GQA4 = BUILT / "stories260K-gqa4"  # built by need_models() (= conftest.built_gqa4)
 DEMO = REPO / "configs" / "demo-cpu.yaml"
 TOKENS_PER_STEP = 64 * 4 * 2  # seq_len x micro_batch x grad_accum (one process)
 
 
-def need_shared() -> None:
-    """Skip the calling test when ../shared (real models and text) is absent."""
-    for path in (GQA4, MHA8, TRAIN_TXT, VALID_TXT):
-        if not path.exists():
-            pytest.skip(f"needs {path} (../shared is absent on this machine)")
+def need_models() -> None:
+    """Build GQA4 (the real stories260K, from examples/) on first use; a no-op afterwards."""
+    assert built_gqa4() == GQA4
 
 
 def tiny_overrides(run_dir: Path, steps: int = 4, **extra) -> list[str]:
@@ -56,3 +53,16 @@ def fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def stories_new_to_the_model(folder: Path, n_val_stories: int = 20) -> tuple[Path, Path]:
+    """TinyStories in capitals as (train, val) .txt files: real text this model has never seen.
+
+    stories260K saw only mixed-case TinyStories, so capitals (other tokens, same stories) give a
+    loss that a few training steps lower measurably; the last `n_val_stories` are held out.
+    """
+    stories = TRAIN_TXT.read_text().upper().split("\n\n")
+    train_txt, val_txt = folder / "train-upper.txt", folder / "val-upper.txt"
+    train_txt.write_text("\n\n".join(stories[:-n_val_stories]))
+    val_txt.write_text("\n\n".join(stories[-n_val_stories:]))
+    return train_txt, val_txt

@@ -13,15 +13,17 @@ from pathlib import Path
 
 import torch
 
-from uptrain.cli import format_table
+from uptrain.cli import format_table, positive_int
 from uptrain.convert import convert
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.measure.eval import evaluate, load_model, read_texts, tokenize_texts
+from uptrain.train.sources import DataSource
 from uptrain.units import kv_cache_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 CONFIG = REPO / "configs" / "demo-cpu.yaml"
+VALID = EXAMPLES / "data" / "tinystories-valid-sample.txt"
 
 
 def held_out_loss(model_dir: Path, texts: list[str]) -> tuple[float, float, int]:
@@ -33,20 +35,30 @@ def held_out_loss(model_dir: Path, texts: list[str]) -> tuple[float, float, int]
     return result.loss, result.perplexity, kv
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when inside it (as the README shows it), else as given."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m uptrain.demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (replaced)")
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
-    p.add_argument("--stories", type=int, default=None, help="score only the first N held-out stories")
+    p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
+    p.add_argument("--valid", type=Path, default=VALID,
+                   help="held-out text: stories separated by blank lines (default: the shipped TinyStories sample)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo-cpu.yaml")
     args = p.parse_args(argv)
     source = EXAMPLES / "stories260K-mha8"
     if not source.is_dir():
         raise UsageError(f"{source} is missing; run the demo from a checkout of the repository")
-    valid = (EXAMPLES / "data" / "tinystories-valid-sample.txt").read_text().splitlines()
-    valid = [t for t in valid if t.strip()][: args.stories]
+    # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
+    valid = read_texts(DataSource(files=[str(args.valid)]), args.stories)
     torch.manual_seed(0)
 
     converted = args.out / f"stories260K-gqa{args.kv_heads}"
@@ -63,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         data = EXAMPLES / "data"
         config = load_config(CONFIG, [f"model={converted}", f"run_dir={run_dir}", "overwrite=true",
                                       f"data.train.files=[{data / 'tinystories-train-sample.txt'}]",
-                                      f"data.val.files=[{data / 'tinystories-valid-sample.txt'}]",
+                                      f"data.val.files=[{args.valid}]",
                                       *args.overrides])
         train(config)
         rows.append((f"GQA-{args.kv_heads}, uptrained", *held_out_loss(run_dir / "model", valid)))
 
     base_kv = rows[0][3]
     table = [[name, f"{loss:.3f}", f"{ppl:.2f}", f"{kv:,} B", f"{base_kv / kv:.0f}x"] for name, loss, ppl, kv in rows]
-    print(f"\nHeld-out loss on examples/data/tinystories-valid-sample.txt ({len(valid)} stories, "
+    print(f"\nHeld-out loss on {_shown(args.valid)} ({len(valid)} stories, "
           f"512-token windows, stride 256):\n")
     print(format_table(["model", "loss (nats/token)", "perplexity", "KV cache / token", "KV reduction"], table))
     return 0

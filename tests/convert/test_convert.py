@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from conftest import CONFIGS, need_shared
+from conftest import real_config
 from tiny import load, logits, random_model, read_config, save, scaled_config
 from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert.__main__ import main
@@ -39,10 +39,10 @@ def test_identity_conversion_reproduces_the_source_exactly(mha8, tmp_path):
     assert torch.equal(logits(load(mha8), IDS), logits(load(tmp_path / "out"), IDS))
 
 
-def test_duplicated_heads_convert_losslessly_to_the_real_gqa_model(mha8, gqa4, tmp_path):
+def test_duplicated_heads_convert_losslessly_to_the_real_gqa_model(mha8, original_gqa4, tmp_path):
     out = tmp_path / "gqa"
     assert run([mha8, "--kv-heads", 4, "--out", out]) == 0
-    converted, original = load(out), load(gqa4)
+    converted, original = load(out), load(original_gqa4)
     torch.testing.assert_close(logits(converted, IDS), logits(original, IDS), rtol=0, atol=1e-5)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("Once upon a time", return_tensors="pt").input_ids
@@ -104,7 +104,7 @@ MHA_CONFIGS = [  # real config file, target kv heads, head_dim for the scaled-do
 
 @pytest.mark.parametrize("name,kv,head_dim", MHA_CONFIGS)
 def test_scaled_real_configs_convert_and_load(tmp_path, name, kv, head_dim):
-    raw = json.loads(need_shared(CONFIGS / f"{name}.json").read_text())
+    raw = json.loads(real_config(name).read_text())
     cfg = scaled_config(raw, head_dim=head_dim)
     src = save(random_model(cfg), tmp_path / "src")
     before = (src / "config.json").read_bytes()
@@ -118,7 +118,7 @@ def test_scaled_real_configs_convert_and_load(tmp_path, name, kv, head_dim):
 
 
 def test_bf16_in_bf16_out_and_dtype_option(tmp_path):
-    raw = json.loads(need_shared(CONFIGS / "qwen1.5-0.5b.json").read_text())
+    raw = json.loads(real_config("qwen1.5-0.5b").read_text())
     src = save(random_model(scaled_config(raw), dtype=torch.bfloat16), tmp_path / "src")
     run([src, "--kv-heads", 4, "--out", tmp_path / "bf16"])
     assert {t.dtype for t in tensors(tmp_path / "bf16").values()} == {torch.bfloat16}

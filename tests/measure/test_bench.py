@@ -16,11 +16,8 @@ from uptrain.measure.bench import (bench_model, decode_throughput, kv_bytes_per_
 from uptrain.units import parse_size
 from uptrain.measure.eval import load_model
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-MODELS = SHARED / "data" / "models"
-CONFIGS = SHARED / "data" / "configs"
-VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
-needs_shared = pytest.mark.skipif(not MODELS.is_dir(), reason=f"shared demo models not found at {MODELS}")
+from conftest import EXAMPLE_MHA8, VALID_TXT as VALID, built_gqa4, real_config
+
 CONTEXT = 48
 
 
@@ -38,33 +35,30 @@ def kv_bytes() -> Callable[[Path], tuple[int, int]]:
     return measure
 
 
-@needs_shared
 def test_mha8_holds_twice_the_kv_cache_of_gqa4(kv_bytes) -> None:
-    mha, mha_formula = kv_bytes(MODELS / "stories260K-mha8")
-    gqa, gqa_formula = kv_bytes(MODELS / "stories260K-gqa4")
+    mha, mha_formula = kv_bytes(EXAMPLE_MHA8)
+    gqa, gqa_formula = kv_bytes(built_gqa4())
     assert (mha, gqa) == (mha_formula, gqa_formula)
     assert mha == 2 * gqa
     assert mha == 2 * 5 * 8 * 8 * 4 * CONTEXT  # K and V x layers x kv heads x head_dim x fp32
 
 
-@needs_shared
 def test_mha8_holds_four_times_the_kv_cache_of_its_2_kv_head_conversion(kv_bytes, tmp_path) -> None:
     from uptrain.convert import convert
-    convert(str(MODELS / "stories260K-mha8"), tmp_path / "gqa2", 2)
-    mha, mha_formula = kv_bytes(MODELS / "stories260K-mha8")
+    convert(str(EXAMPLE_MHA8), tmp_path / "gqa2", 2)
+    mha, mha_formula = kv_bytes(EXAMPLE_MHA8)
     gqa, gqa_formula = kv_bytes(tmp_path / "gqa2")
     assert (mha, gqa) == (mha_formula, gqa_formula)
     assert mha == 4 * gqa
 
 
-@pytest.mark.skipif(not CONFIGS.is_dir(), reason=f"shared configs not found at {CONFIGS}")
 @pytest.mark.parametrize("name, dtype, per_token", [
     ("llama-2-7b-hf", torch.float16, 512 * 1024),  # 32 layers x 32 kv heads x 128
     ("mistral-7b-v0.1", torch.bfloat16, 128 * 1024),  # 32 layers x 8 kv heads x 128
     ("gemma-2b", torch.bfloat16, 18 * 1024),  # 18 layers x 1 kv head x 256 (head_dim given)
 ])
 def test_formula_on_real_configs(name: str, dtype: torch.dtype, per_token: int) -> None:
-    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    raw = json.loads(real_config(name).read_text())
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     assert kv_bytes_per_token_formula(config, dtype) == per_token
 
@@ -79,9 +73,8 @@ def test_sliding_window_cache_is_capped_and_warned(tmp_path: Path) -> None:
     assert result.kv_bytes[40] < result.kv_bytes_per_token_formula * 40
 
 
-@needs_shared
 def test_decode_throughput_generates_exactly_new_tokens() -> None:
-    model, _ = load_model(str(MODELS / "stories260K-gqa4"))
+    model, _ = load_model(str(built_gqa4()))
     result = decode_throughput(model, batch=2, context=16, new_tokens=5, warmup=0, repeats=2)
     assert len(result.times_s) == 2
     assert result.decode_tokens_per_s > 0 and result.generate_tokens_per_s > 0
@@ -94,9 +87,8 @@ def test_memory_budget_arithmetic() -> None:
     assert max_batch_in_budget(weight_bytes=300, kv_bytes_at_context=30, budget=200) == 0
 
 
-@needs_shared
 def test_bench_and_compare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    mha, gqa = str(MODELS / "stories260K-mha8"), str(MODELS / "stories260K-gqa4")
+    mha, gqa = str(EXAMPLE_MHA8), str(built_gqa4())
     fast = ["--context", "16", "32", "--batch", "1", "--new-tokens", "3", "--warmup", "0", "--repeats", "1"]
     assert bench.main([gqa, *fast, "--memory-budget", "2MB", "--json", str(tmp_path / "b.json"),
                        "--plot", str(tmp_path / "plots")]) == 0

@@ -14,10 +14,7 @@ from uptrain.errors import UsageError
 from uptrain.measure.eval import evaluate, evaluate_paths, main, read_texts, sequence_nll, window_spans
 from uptrain.train.sources import DataSource
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-MODELS = SHARED / "data" / "models"
-VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
-needs_shared = pytest.mark.skipif(not MODELS.is_dir(), reason=f"shared demo models not found at {MODELS}")
+from conftest import EXAMPLE_MHA8, VALID_TXT as VALID, built_gqa4
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -76,20 +73,18 @@ def test_one_window_equals_full_context_loss() -> None:
     assert n == 49 and abs(nll / n - reference) > 1e-9
 
 
-@needs_shared
 def test_mha8_and_gqa4_have_the_same_perplexity() -> None:
     texts = read_texts(DataSource(files=[str(VALID)]))
-    mha, gqa = evaluate_paths([str(MODELS / "stories260K-mha8"), str(MODELS / "stories260K-gqa4")],
+    mha, gqa = evaluate_paths([str(EXAMPLE_MHA8), str(built_gqa4())],
                               texts, max_length=512, stride=256)
     assert mha.tokens == gqa.tokens > 10_000
     assert abs(mha.perplexity - gqa.perplexity) < 1e-4
     assert 1.0 < mha.loss < 2.5  # a trained model on its own domain
 
 
-@needs_shared
 def test_cli_json_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "eval.json"
-    rc = main([str(MODELS / "stories260K-gqa4"), "--data", str(VALID), "--max-documents", "2",
+    rc = main([str(built_gqa4()), "--data", str(VALID), "--max-documents", "2",
                "--max-length", "64", "--stride", "32", "--json", str(out)])
     assert rc == 0
     (row,) = json.loads(out.read_text())
@@ -97,8 +92,23 @@ def test_cli_json_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "perplexity" in capsys.readouterr().out
 
     assert main([str(tmp_path / "missing-model"), "--data", str(VALID)]) == 2
-    assert main([str(MODELS / "stories260K-gqa4"), "--data", str(tmp_path / "missing.txt")]) == 2
-    assert main([str(MODELS / "stories260K-gqa4"), "--data", str(VALID), "--stride", "zero"]) == 2
-    assert main([str(MODELS / "stories260K-gqa4"), "--data", str(VALID), "--max-length", "1024"]) == 2  # ctx 512
+    assert main([str(built_gqa4()), "--data", str(tmp_path / "missing.txt")]) == 2
+    assert main([str(built_gqa4()), "--data", str(VALID), "--stride", "zero"]) == 2
+    assert main([str(built_gqa4()), "--data", str(VALID), "--max-length", "1024"]) == 2  # ctx 512
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
+
+
+def test_text_unit_decides_what_a_document_is(tmp_path: Path) -> None:
+    # Two stories of two paragraphs: paragraphs (default) give 2 documents, lines 4, the file 1.
+    data = tmp_path / "stories.txt"
+    data.write_text("Tom had a red ball.\nHe threw it far.\n\nLily saw a tree.\nShe sat under it.\n")
+    documents = {}
+    for unit in (None, "line", "paragraph", "file"):
+        out = tmp_path / f"{unit}.json"
+        flag = ["--text-unit", unit] if unit else []
+        assert main([str(EXAMPLE_MHA8), "--data", str(data), *flag, "--json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())
+        documents[unit] = row["documents"]
+    assert documents == {None: 2, "line": 4, "paragraph": 2, "file": 1}
+    assert main([str(EXAMPLE_MHA8), "--data", str(data), "--text-unit", "sentence"]) == 2  # names the choices

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import re
 
 import datasets
 import pytest
@@ -11,19 +11,15 @@ from transformers import AutoTokenizer
 
 from uptrain.train.sources import DataSource, load_texts
 from uptrain.errors import UsageError
-from uptrain.train.packing import StreamSchedule, load_blocks, pack_texts, schedule_blocks, split_blocks
+from uptrain.train.packing import StreamSchedule, load_blocks, load_split_blocks, pack_texts, schedule_blocks
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-MODEL = SHARED / "data" / "models" / "stories260K-gqa4"
-VALID = SHARED / "data" / "corpora" / "tinystories-valid-sample.txt"
-TRAIN = SHARED / "data" / "corpora" / "tinystories-train-sample.txt"
+from conftest import EXAMPLE_MHA8, TRAIN_TXT as TRAIN, VALID_TXT as VALID
+from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture: build_data makes an Accelerator)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not MODEL.exists():
-        pytest.skip(f"needs {MODEL} (../shared is absent on this machine)")
-    return AutoTokenizer.from_pretrained(MODEL)
+    return AutoTokenizer.from_pretrained(EXAMPLE_MHA8)  # stories260K's tokenizer (all its forms share it)
 
 
 def test_blocks_are_the_documents_joined_by_eos(tokenizer):
@@ -40,16 +36,14 @@ def test_blocks_are_the_documents_joined_by_eos(tokenizer):
 
 
 def test_real_file_packs_and_splits(tokenizer):
-    if not VALID.exists():
-        pytest.skip(f"needs {VALID}")
     blocks = load_blocks(DataSource(files=[str(VALID)]), tokenizer, seq_len=64)
     n_tokens = sum(len(tokenizer(t)["input_ids"]) + 1 for t in load_texts(DataSource(files=[str(VALID)]))["text"])
     assert len(blocks) == n_tokens // 64 or len(blocks) == n_tokens // 64 - 1  # one map batch: <= 1 short
-    train, val = split_blocks(blocks, None, 0.1, seed=0)
-    assert len(train) + len(val) == len(blocks) and len(val) == round(0.1 * len(blocks))
+    train, val = load_split_blocks(DataSource(files=[str(VALID)]), 0.1, 0, tokenizer, seq_len=64)
+    assert len(train) + len(val) <= len(blocks) <= len(train) + len(val) + 1  # each part drops its tail
     assert not set(map(tuple, train["input_ids"])) & set(map(tuple, val["input_ids"]))
-    given = blocks.select(range(3))
-    assert split_blocks(blocks, given, 0.1, seed=0) == (blocks, given)
+    with pytest.raises(UsageError, match="raise data.val_fraction or give data.val"):
+        load_split_blocks(DataSource(files=[str(VALID)]), 0.01, 0, tokenizer, seq_len=4096)  # 1 story < 4096 tokens
 
 
 def test_schedule_is_seeded_and_repeats_only_when_asked():
@@ -75,8 +69,6 @@ def test_stream_gives_the_blocks_of_the_whole_file_in_order(tokenizer, tmp_path)
     # Same text, same map batches: the lazily packed stream is the packed dataset, block for block.
     # (The trainer's order still differs: a whole dataset is shuffled globally by the seed, a
     # stream is read in order or through a seeded shuffle buffer.)
-    if not TRAIN.exists():
-        pytest.skip(f"needs {TRAIN}")
     lines = [line for line in TRAIN.read_text().splitlines() if line.strip()] * 2  # > one map batch
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"story": line}) + "\n" for line in lines))
@@ -97,3 +89,78 @@ def test_stream_gives_the_blocks_of_the_whole_file_in_order(tokenizer, tmp_path)
     assert shuffled == blocks(len(whole) + 20, repeat_data=True, shuffle_buffer=50)  # seeded
     assert shuffled[:len(whole)] != whole and sorted(shuffled[:len(whole)]) == sorted(whole)
     assert shuffled[len(whole):] != shuffled[:20]  # each epoch is reshuffled (seed + epoch)
+
+
+# ---------------------------------------------------------------- text units and document split
+
+UNITS_TEXT = "Tom ran.\nHe fell.\n\nSue sang.\n\n\nThe end.\n"
+
+
+@pytest.mark.parametrize("unit, documents", [
+    ("line", ["Tom ran.", "He fell.", "Sue sang.", "The end."]),
+    ("paragraph", ["Tom ran.\nHe fell.", "Sue sang.", "The end."]),  # a blank line ends a document
+    ("file", ["Tom ran.\nHe fell.\n\nSue sang.\n\n\nThe end."]),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_text_units_split_a_txt_file_into_documents(tmp_path, unit, documents, streaming):
+    path = tmp_path / "doc.txt"
+    path.write_text(UNITS_TEXT)
+    texts = load_texts(DataSource(files=[str(path)], text_unit=unit, streaming=streaming))
+    assert [row["text"] for row in texts] == documents
+
+
+def test_default_text_unit_is_the_paragraph_and_a_bad_one_is_a_usage_error(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(UNITS_TEXT)
+    assert DataSource(files=[str(path)]).text_unit == "paragraph"
+    with pytest.raises(UsageError, match="text_unit 'sentence'.*line, paragraph, file"):
+        load_texts(DataSource(files=[str(path)], text_unit="sentence"))
+
+
+def test_shipped_samples_read_as_whole_stories():
+    # Each TinyStories story is one document: its paragraphs stay together, nothing else joins it.
+    train = load_texts(DataSource(files=[str(TRAIN)]))["text"]
+    valid = load_texts(DataSource(files=[str(VALID)]))["text"]
+    assert (len(train), len(valid)) == (246, 19)
+    assert train[0].startswith("One day, a little girl named Lily found a needle") and train[0].count("\n") == 2
+    assert train[0].endswith("because they had shared and worked together.")
+    assert train[1].startswith("Once upon a time, there was a little car named Beep.")
+
+
+def _marked_documents(n: int) -> list[str]:
+    """`n` documents of two paragraphs; every sentence of document i carries the marker [i]."""
+    return [f"[{i}] Tom saw a red ball. [{i}] He ran to it.\n[{i}] The ball was big. [{i}] Tom was happy."
+            for i in range(n)]
+
+
+def _markers(tokenizer, block: list[int]) -> set[int]:
+    return {int(m) for m in re.findall(r"\[(\d+)\]", tokenizer.decode(block))}
+
+
+def test_val_fraction_holds_out_whole_documents(tokenizer, tmp_path):
+    from accelerate import Accelerator
+    from train_helpers import DEMO, built_gqa4, tiny_overrides
+    from uptrain.train.config import load_config
+    from uptrain.train.setup import build_data, plan_run
+
+    docs = _marked_documents(60)
+    path = tmp_path / "marked.txt"
+    path.write_text("\n\n".join(docs) + "\n")
+    # A budget beyond the train blocks: the schedule's first epoch is a permutation of all of them.
+    config = load_config(DEMO, tiny_overrides(tmp_path / "run", steps=20, **{
+        "model": built_gqa4(), "data.train.files": f"[{path}]", "data.val": "null", "data.val_fraction": 0.2,
+        "data.seq_len": 32, "data.repeat_data": "true"}))
+    train, val, n_train = build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))
+    assert len(train) >= n_train
+    val_blocks = [list(b) for b in val["input_ids"]]
+    held_out = set().union(*(_markers(tokenizer, b) for b in val_blocks))
+    trained = set().union(*(_markers(tokenizer, list(b)) for b in train["input_ids"]))
+    assert 0 < len(held_out) <= 0.2 * len(docs) + 1 and not held_out & trained
+    # Between two EOS, the validation stream holds exactly one whole document.
+    flat = [t for b in val_blocks for t in b]
+    eos = [i for i, t in enumerate(flat) if t == tokenizer.eos_token_id]
+    assert len(eos) >= 3
+    for start, end in zip(eos, eos[1:]):
+        piece = flat[start + 1:end]
+        (i,) = _markers(tokenizer, piece)
+        assert piece == tokenizer(docs[i])["input_ids"]

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, GQA4, MHA8, REPO, TRAIN_TXT, need_shared, read_metrics, tiny_overrides, train_losses
+from train_helpers import (DEMO, GQA4, MHA8, REPO, need_models, read_metrics, stories_new_to_the_model, tiny_overrides,
+                           train_losses)
 from uptrain.train.run_state import complete_checkpoints
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train import train
@@ -24,16 +25,16 @@ from uptrain.train.config import load_config
 
 
 def run(tmp_path, name="run", **extra):
-    need_shared()
+    need_models()
     run_dir = tmp_path / name
     return run_dir, train(load_config(DEMO, tiny_overrides(run_dir, **extra)))
 
 
 def test_few_steps_lower_the_loss_and_leave_a_loadable_model(tmp_path):
-    # TinyShakespeare is new to this TinyStories model: a few steps must adapt it measurably.
-    shakespeare = TRAIN_TXT.parent / "tinyshakespeare.txt"
+    # Capitalised stories are new to this TinyStories model: a few steps must adapt it measurably.
+    new_text, _ = stories_new_to_the_model(tmp_path)
     run_dir, result = run(tmp_path, steps=16, **{"log.log_with": "[tensorboard]", "eval.every": 8,
-                                                  "data.train.files": f"[{shakespeare}]", "data.val": "null",
+                                                  "data.train.files": f"[{new_text}]", "data.val": "null",
                                                   "data.val_fraction": 0.02})
     records = read_metrics(run_dir)
     val = [r["val_loss"] for r in records if "val_loss" in r]
@@ -57,7 +58,7 @@ def test_few_steps_lower_the_loss_and_leave_a_loadable_model(tmp_path):
 
 
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
-    need_shared()
+    need_models()
     steps = 30
     reference_dir, _ = run(tmp_path, "reference", steps=steps)
     reference = train_losses(reference_dir)
@@ -106,7 +107,7 @@ def test_kd_loss_matches_a_hand_computation():
 def test_distillation_from_an_identical_teacher_has_zero_kl(tmp_path):
     # stories260K-mha8 computes the same function as the gqa4 student (K/V heads duplicated),
     # so KL(teacher || student) is 0 and the loss is (1 - alpha_kd) x the LM loss.
-    need_shared()
+    need_models()
     student = tmp_path / "student"  # a converted model comes with a model card: it is extended
     shutil.copytree(GQA4, student)
     (student / "README.md").write_text("# Converted stories260K\n\nConversion record here.\n")
@@ -122,7 +123,7 @@ def test_distillation_from_an_identical_teacher_has_zero_kl(tmp_path):
 
 
 def test_non_finite_loss_stops_the_run_and_names_the_step(tmp_path, capsys):
-    need_shared()
+    need_models()
     run_dir = tmp_path / "nan"
     args = tiny_overrides(run_dir, steps=12, **{"optim.lr": 1e12, "optim.warmup_steps": 0, "optim.grad_clip": 0,
                                                 "checkpoint.every": 1, "checkpoint.keep": 1})

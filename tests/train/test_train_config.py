@@ -10,7 +10,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, GQA4, MHA8, REPO, need_shared, tiny_overrides
+from train_helpers import DEMO, MHA8, REPO, VALID_TXT, need_models, tiny_overrides
 from uptrain.errors import UsageError
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
@@ -34,7 +34,7 @@ def test_every_shipped_yaml_parses_and_validates(monkeypatch):
 
 
 def test_overrides_reach_nested_fields_with_types(tmp_path):
-    need_shared()
+    need_models()
     config = load_config(DEMO, tiny_overrides(tmp_path, **{"optim.lr": "1e-3", "budget.tokens": "1e6",
                                                            "data.repeat_data": "yes", "distill.teacher": MHA8,
                                                            "mixed_precision": "no"}))
@@ -58,7 +58,7 @@ def test_overrides_reach_nested_fields_with_types(tmp_path):
     ("data.shuffle_buffer=100", "applies only to a streaming data.train"),
 ])
 def test_invalid_fields_are_usage_errors(tmp_path, override, message):
-    need_shared()
+    need_models()
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         load_config(DEMO, tiny_overrides(tmp_path) + override.split(" "))
 
@@ -97,7 +97,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_config_fails_before_any_work(tmp_path, capsys, case):
-    need_shared()
+    need_models()
     extra, message = BAD[case]
     run_dir = tmp_path / "run"
     args = tiny_overrides(run_dir) + extra(tmp_path)
@@ -112,7 +112,7 @@ def test_bad_config_fails_before_any_work(tmp_path, capsys, case):
 
 
 def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path, capsys):
-    need_shared()
+    need_models()
     try:
         import wandb  # noqa: F401
 
@@ -124,9 +124,9 @@ def test_wandb_asked_for_but_not_installed_is_a_usage_error(tmp_path, capsys):
 
 
 def test_repeat_data_allows_a_budget_beyond_the_data(tmp_path):
-    need_shared()
+    need_models()
     small = tmp_path / "small.txt"
-    small.write_text((GQA4.parent.parent / "corpora" / "tinystories-valid-sample.txt").read_text().splitlines()[0])
+    small.write_text(VALID_TXT.read_text().split("\n\n")[0])
     args = tiny_overrides(tmp_path / "run", steps=2, **{"data.train.files": f"[{small}]", "eval.max_batches": 1})
     assert main([str(DEMO), *args]) == 2  # one story holds fewer than 16 blocks of 64 tokens
     assert main([str(DEMO), *args, "data.repeat_data=true"]) == 0

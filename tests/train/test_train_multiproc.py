@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, REPO, need_shared, read_metrics, tiny_overrides, train_losses
+from train_helpers import DEMO, REPO, need_models, read_metrics, tiny_overrides, train_losses
 from uptrain.train.run_state import complete_checkpoints
 from uptrain.train import train
 from uptrain.train.config import load_config
@@ -39,7 +39,7 @@ def launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
-    need_shared()
+    need_models()
     # One process: micro batch 4 x 2 accumulation steps = 8 sequences per optimizer step.
     single = tmp_path / "single"
     train(load_config(DEMO, tiny_overrides(single, steps=STEPS)))
@@ -78,7 +78,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
 def test_streaming_two_processes_see_the_same_global_batches_as_one(tmp_path, one_torch_thread):
     # A stream is read by the main process and its batches dispatched: process r gets the r-th of
     # each group of consecutive batches, so a step's global batch is the one-process step's.
-    need_shared()
+    need_models()
     stream = {"data.train.streaming": "true", "data.shuffle_buffer": 16}
     single = tmp_path / "single"
     train(load_config(DEMO, tiny_overrides(single, steps=4, **stream)))

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, TRAIN_TXT, need_shared, read_metrics, tiny_overrides, train_losses
+from train_helpers import DEMO, TRAIN_TXT, need_models, read_metrics, stories_new_to_the_model, tiny_overrides, train_losses
 from uptrain.train.run_state import complete_checkpoints
 from uptrain.errors import UsageError
 from uptrain.train import train
@@ -17,18 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # a tiny model: one th
 STEPS = 8
 
 
-def _split_text(tmp_path):
-    """TinyShakespeare (new to this TinyStories model) as separate train and validation files."""
-    lines = (TRAIN_TXT.parent / "tinyshakespeare.txt").read_text().splitlines()
-    train_txt, val_txt = tmp_path / "train.txt", tmp_path / "val.txt"
-    train_txt.write_text("\n".join(lines[:-400]) + "\n")
-    val_txt.write_text("\n".join(lines[-400:]) + "\n")
-    return train_txt, val_txt
-
-
 def test_streaming_run_lowers_the_loss_and_resumes_on_the_same_data(tmp_path):
-    need_shared()
-    train_txt, val_txt = _split_text(tmp_path)
+    need_models()
+    train_txt, val_txt = stories_new_to_the_model(tmp_path)
     run_dir = tmp_path / "run"
     args = tiny_overrides(run_dir, steps=STEPS, **{
         "data.train.files": f"[{train_txt}]", "data.train.streaming": "true", "data.shuffle_buffer": 64,
@@ -54,7 +45,7 @@ def test_streaming_run_lowers_the_loss_and_resumes_on_the_same_data(tmp_path):
 
 
 def test_stream_shorter_than_the_budget_fails_unless_repeat_data(tmp_path):
-    need_shared()
+    need_models()
     short = tmp_path / "short.txt"
     short.write_text("\n".join(TRAIN_TXT.read_text().splitlines()[:3]) + "\n")  # a few blocks of 64 tokens
     args = tiny_overrides(tmp_path / "run", steps=2, **{"data.train.files": f"[{short}]", "data.train.streaming": "true"})

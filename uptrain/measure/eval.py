@@ -143,7 +143,7 @@ def source_from_args(args: argparse.Namespace) -> DataSource:
     from uptrain.train.sources import DataSource  # imports `datasets`, which bench does not need
     return DataSource(
         dataset=args.dataset, config=args.dataset_config, split=args.split,
-        files=list(args.data or []), text_field=args.text_field,
+        files=list(args.data or []), text_field=args.text_field, text_unit=args.text_unit,
     )
 
 
@@ -180,6 +180,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-config", default=None)
     g.add_argument("--split", default="validation", help="split of a Hub dataset (default: validation)")
     g.add_argument("--text-field", default="text", help="column holding the text (default: text)")
+    # The choices mirror uptrain.train.sources.TEXT_UNITS (not imported: bench does not load `datasets`).
+    g.add_argument("--text-unit", default="paragraph", choices=["line", "paragraph", "file"],
+                   help="what one document of a .txt file is: a line, a paragraph (documents separated by "
+                        "a blank line; default) or the whole file")
     g.add_argument("--max-documents", type=positive_int, default=None, help="score only the first N documents")
     g.add_argument("--max-length", type=positive_int, default=None,
                    help="window length in tokens (default: the model's max_position_embeddings, at most 2048)")

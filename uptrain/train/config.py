@@ -26,7 +26,7 @@ class DataConfig:
 
     train: DataSource = field(default_factory=DataSource)
     val: DataSource | None = None  # separate validation text (required with a streaming train); else `val_fraction`
-    val_fraction: float = 0.05  # held-out share of the packed train blocks when `val` is unset
+    val_fraction: float = 0.05  # held-out share of the train documents (whole ones) when `val` is unset
     seq_len: int = 512  # tokens per packed block (documents joined with EOS)
     repeat_data: bool = False  # loop over the data when the budget needs more (reshuffled per epoch; a
     # stream restarts in order, or reshuffled by seed + epoch with shuffle_buffer)

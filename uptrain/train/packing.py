@@ -86,16 +86,37 @@ def load_stream_blocks(source: DataSource, tokenizer: PreTrainedTokenizerBase, s
     return pack_texts(load_texts(dataclasses.replace(source, streaming=True)), tokenizer, seq_len)
 
 
-def split_blocks(
-    train: datasets.Dataset, val: datasets.Dataset | None, val_fraction: float, seed: int
+def split_documents(
+    texts: datasets.Dataset, val_fraction: float, seed: int
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Return (train, val) blocks: `val` as given, or a held-out `val_fraction` of `train`."""
-    if val is not None:
-        return train, val
-    if len(train) < 2:
-        raise UsageError("too little data to hold out a validation set; give data.val")
-    parts = train.train_test_split(test_size=max(1, round(val_fraction * len(train))), seed=seed)
+    """(train, val) texts: a seeded `val_fraction` of the documents held out, each one whole.
+
+    Splitting documents, not packed blocks, keeps every document on one side: a block split
+    would put the two halves of a document that straddles a block edge into train and validation.
+    """
+    if len(texts) < 2:
+        raise UsageError("too little data to hold out a validation set: fewer than 2 documents; give data.val")
+    parts = texts.train_test_split(test_size=max(1, round(val_fraction * len(texts))), seed=seed)
     return parts["train"], parts["test"]
+
+
+def load_split_blocks(
+    source: DataSource, val_fraction: float, seed: int, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+    num_proc: int | None = None,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, val) blocks of `source` with a `val_fraction` of its documents held out (`split_documents`)."""
+    train, val = split_documents(load_texts(source), val_fraction, seed)
+    train_blocks = pack_texts(train, tokenizer, seq_len, num_proc)
+    val_blocks = pack_texts(val, tokenizer, seq_len, num_proc)
+    name = source.files or source.dataset
+    if len(train_blocks) == 0:
+        raise UsageError(f"data source {name} gives no full block of {seq_len} tokens")
+    if len(val_blocks) == 0:
+        raise UsageError(
+            f"the held-out {val_fraction:g} of {name} ({len(val)} documents) gives no full block of {seq_len} "
+            "tokens; raise data.val_fraction or give data.val"
+        )
+    return train_blocks, val_blocks
 
 
 def schedule_blocks(

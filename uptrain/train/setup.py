@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from uptrain.convert.hfconfig import model_shape
 from uptrain.errors import UsageError
-from uptrain.train.packing import StreamSchedule, load_blocks, load_stream_blocks, schedule_blocks, split_blocks
+from uptrain.train.packing import (StreamSchedule, load_blocks, load_split_blocks, load_stream_blocks,
+                                   schedule_blocks)
 from uptrain.train.config import OptimConfig, TrainConfig
 
 
@@ -120,10 +121,12 @@ def build_data(
         return train, val, None
     # The main process tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
-        train = load_blocks(d.train, tokenizer, d.seq_len, d.num_proc)
-        if d.val is not None and val is None:
-            val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)
-    train, val = split_blocks(train, val, d.val_fraction, config.seed)
+        if d.val is None:  # hold out whole documents of the train source
+            train, val = load_split_blocks(d.train, d.val_fraction, config.seed, tokenizer, d.seq_len, d.num_proc)
+        else:
+            train = load_blocks(d.train, tokenizer, d.seq_len, d.num_proc)
+            if val is None:
+                val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)
     scheduled = schedule_blocks(train, n_sequences, config.seed, d.repeat_data)
     return scheduled, val, len(train)
 

@@ -15,14 +15,20 @@ from uptrain.errors import UsageError
 # File suffix -> the `datasets` builder that reads it.
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
+# What one document of a text file is -> the `sample_by` of datasets' text builder that reads it so.
+TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}
+
 
 @dataclass
 class DataSource:
     """A text source: a Hub dataset (`dataset`, `config`, `split`) or local `files`.
 
-    Local `.txt` files give one document per line; `.jsonl`/`.json`/`.parquet` files give one
-    document per record, read from `text_field`. `streaming` reads the source lazily (a Hub dataset
-    or local files) as an IterableDataset, for corpora too large to download whole.
+    Local `.txt` files are cut into documents by `text_unit`: `paragraph` (the default; documents
+    separated by a blank line, so hard-wrapped prose and multi-paragraph stories stay whole if a
+    blank line separates them from the next), `line` (one document per line) or `file` (each file
+    one document, e.g. a book). `.jsonl`/`.json`/`.parquet` files give one document per record,
+    read from `text_field`. `streaming` reads the source lazily (a Hub dataset or local files) as
+    an IterableDataset, for corpora too large to download whole.
     """
 
     dataset: str | None = None
@@ -30,12 +36,15 @@ class DataSource:
     split: str = "train"
     files: list[str] = field(default_factory=list)
     text_field: str = "text"
+    text_unit: str = "paragraph"  # .txt files: line, paragraph or file (see TEXT_UNITS)
     streaming: bool = False
 
     def validate(self) -> None:
         """Raise UsageError when the source is not usable as given."""
         if bool(self.dataset) == bool(self.files):
             raise UsageError("give either a Hub dataset name or local files as the data source, not both or neither")
+        if self.text_unit not in TEXT_UNITS:
+            raise UsageError(f"unknown text_unit {self.text_unit!r}; use one of {', '.join(TEXT_UNITS)}")
         if self.files:
             suffixes = {Path(f).suffix.lower() for f in self.files}
             unknown = suffixes - set(_BUILDERS)
@@ -51,13 +60,23 @@ class DataSource:
                 raise UsageError(f"data file not found: {missing[0]}; check the path")
 
 
+def _strip_newlines(row: dict[str, str]) -> dict[str, str]:
+    """The row with newlines removed from both ends of its text."""
+    return {"text": row["text"].strip("\n")}
+
+
 def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
     """Load `source` as a dataset with one column, "text" (empty documents dropped)."""
     source.validate()
     if source.files:
         builder = _BUILDERS[Path(source.files[0]).suffix.lower()]
         files = [str(Path(f).resolve()) for f in source.files]
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=source.streaming)
+        options = {"sample_by": TEXT_UNITS[source.text_unit]} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=source.streaming, **options)
+        if builder == "text" and source.text_unit != "line":
+            # Runs of 3+ newlines and a file's last newline are left on the edges of a paragraph or
+            # file: they separate documents, they are not part of one.
+            ds = ds.map(_strip_newlines)
     else:
         try:
             ds = datasets.load_dataset(
