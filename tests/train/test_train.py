@@ -110,7 +110,7 @@ def test_distillation_from_an_identical_teacher_has_zero_kl(tmp_path):
     student = tmp_path / "student"  # a converted model comes with a model card: it is extended
     shutil.copytree(GQA4, student)
     (student / "README.md").write_text("# Converted stories260K\n\nConversion record here.\n")
-    run_dir, _ = run(tmp_path, steps=1, **{"model": student, "distill.teacher": MHA8, "distill.alpha_kd": 0.3,
+    run_dir, _ = run(tmp_path, steps=1, **{"optim.warmup_steps": 0, "model": student, "distill.teacher": MHA8, "distill.alpha_kd": 0.3,
                                            "distill.temperature": 2.0, "gradient_checkpointing": "true"})
     (record,) = [r for r in read_metrics(run_dir) if "loss" in r]
     assert record["kd_loss"] == pytest.approx(0.0, abs=1e-5)
