@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import signal
@@ -88,6 +89,34 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
     for step in range(1, steps + 1):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-6), (step, resumed_from)
     assert len(complete_checkpoints(run_dir)) == 2  # keep: 2
+
+
+def test_resume_with_dropout_restores_the_random_state(tmp_path, one_torch_thread):
+    # With dropout on, every step draws masks from the RNG: a resumed run reproduces the
+    # uninterrupted losses only if the checkpoint's RNG state (every process's) is restored.
+    model = tmp_path / "dropout-model"
+    shutil.copytree(REPO / "examples" / "stories260K-mha8", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.2}))
+    probe = AutoModelForCausalLM.from_pretrained(model).train()
+    ids = torch.tensor([list(range(3, 40))])
+    assert not torch.equal(probe(input_ids=ids).logits, probe(input_ids=ids).logits)  # dropout is live
+
+    data = REPO / "examples" / "data"
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, steps=8, **{"model": model, "data.train.files": f"[{data / 'tinystories-train-sample.txt'}]",
+                                               "data.val.files": f"[{data / 'tinystories-valid-sample.txt'}]",
+                                               "checkpoint.every": 4, "checkpoint.keep": 2, "eval.max_batches": 1})
+    train(load_config(DEMO, args))
+    reference = train_losses(run_dir)
+    shutil.rmtree(run_dir / "model")
+    shutil.rmtree(complete_checkpoints(run_dir)[-1])  # as if stopped right after step 4's checkpoint
+    assert complete_checkpoints(run_dir)[-1].name == "checkpoint-00000004"
+    train(load_config(DEMO, args + ["resume=latest"]))
+    resumed = train_losses(run_dir)
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(1, 9):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
 
 
 def test_kd_loss_matches_a_hand_computation():

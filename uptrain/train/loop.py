@@ -14,9 +14,10 @@ precision, state saving and trackers. See uptrain/train/config.py for every conf
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from uptrain.errors import UsageError
 from uptrain.train.config import TrainConfig, to_dict
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
-    RUN_FILE, STATE_FILE, check_run_dir, clear_run_dir, load_checkpoint, save_checkpoint,
+    RUN_FILE, check_run_dir, check_same_processes, checkpoint_state, clear_run_dir, load_checkpoint, save_checkpoint,
 )
-from uptrain.train.runtime import make_accelerator
-from uptrain.train.setup import RunPlan, build_data, check_models, lr_at, make_optimizer, plan_run
+from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
+from uptrain.train.setup import (
+    RunPlan, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
+)
 from uptrain.train.validate import validate_blocks
 
 
@@ -77,12 +79,12 @@ class Run:
 def train(config: TrainConfig) -> dict:
     """Run the training described by `config`; return the final metrics."""
     run = setup_run(config)
-    start_step = resume_state(run)
+    start_step, batches = resume_state(run)
     if start_step == 0:
         first = run.validate()
         run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
         run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
-    last_record = train_steps(run, start_step)
+    last_record = train_steps(run, start_step, batches)
     return finish_run(run, last_record)
 
 
@@ -93,18 +95,21 @@ def setup_run(config: TrainConfig) -> Run:
     world = accelerator.num_processes
 
     # --- checks first: config, run folder, models, budget, data; all before weights load ---
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and config.batch.grad_accum > 1:
-        # DeepSpeed steps inside backward(); the manual accumulation below would step every micro batch.
-        raise UsageError("with DeepSpeed set batch.grad_accum=1 and raise batch.micro_batch instead")
+    check_deepspeed(config, deepspeed_facts(accelerator))
     plan = plan_run(config, world)
     config_dict = to_dict(config)
     resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
+    consumed = 0
+    if resume_from is not None:
+        state = checkpoint_state(resume_from)
+        check_same_processes(resume_from, state, world, config.batch.micro_batch * config.batch.grad_accum)
+        # A streaming source cannot skip batches in the loader: the stream itself starts after
+        # the blocks the interrupted run consumed (the checkpoint's data position).
+        consumed = state["samples"]
     tokenizer = check_models(config)
     set_seed(config.seed)
-    # A streaming source cannot skip batches in the loader: the stream itself starts after the
-    # blocks the interrupted run consumed (the checkpoint's data position).
-    consumed = json.loads((resume_from / STATE_FILE).read_text())["samples"] if resume_from is not None else 0
     train_blocks, val_blocks, n_available = build_data(config, tokenizer, plan, accelerator, consumed)
+    check_validation_size(config, len(val_blocks))
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:
         if config.overwrite:
@@ -133,6 +138,7 @@ def setup_run(config: TrainConfig) -> Run:
 def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model to train (fp32 master weights) and the frozen teacher, if distilling."""
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
     if config.gradient_checkpointing:
         # Recompute activations in backward: less memory, more compute (renamed in transformers 5.x).
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -142,35 +148,43 @@ def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.n
         model = torch.compile(model)
     teacher = None
     if config.distill.teacher:
-        teacher_dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+        teacher_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
         teacher = AutoModelForCausalLM.from_pretrained(config.distill.teacher, dtype=teacher_dtype).to(accelerator.device)
         teacher.requires_grad_(False).eval()  # frozen: only a source of target distributions
     return model, teacher
 
 
-def resume_state(run: Run) -> int:
-    """Restore the checkpoint (weights, optimizer, RNG) if resuming; return the first step to run."""
-    start_step = 0
+def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
+    """Restore the checkpoint (weights, optimizer, RNG) if resuming.
+
+    Returns the first step to run and the iterator of the run's remaining micro batches.
+    """
+    start_step = checkpoint_state(run.resume_from)["step"] if run.resume_from is not None else 0
+    accum = run.config.batch.grad_accum
+    # Skip what the interrupted run already consumed: the data order is fixed by the seed (a
+    # stream was already started after the consumed blocks in setup_run).
+    skip = start_step and not run.config.data.train.streaming
+    batches = iter(run.accelerator.skip_first_batches(run.loader, start_step * accum) if skip else run.loader)
     if run.resume_from is not None:
-        start_step = load_checkpoint(run.accelerator, run.resume_from)["step"]
-    run.metrics.truncate_after(start_step if run.resume_from else -1)  # records past the checkpoint are redone
-    if run.resume_from:
+        # Starting a data iterator draws from the RNG (the DataLoader's base seed; accelerate may
+        # synchronise RNG states over processes): start it *before* restoring the checkpoint's
+        # RNG states, so step start_step + 1 draws the dropout masks the uninterrupted run drew.
+        first = next(batches, None)
+        batches = itertools.chain([] if first is None else [first], batches)
+        load_checkpoint(run.accelerator, run.resume_from)
         run.accelerator.print(f"resuming from {run.resume_from} at step {start_step}")
+    run.metrics.truncate_after(start_step if run.resume_from else -1)  # records past the checkpoint are redone
     flat = _flat(to_dict(run.config))
     run.accelerator.init_trackers(run.config.log.project, config={
         k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()})
-    return start_step
+    return start_step, batches
 
 
-def train_steps(run: Run, start_step: int) -> dict:
-    """Optimizer steps `start_step` .. plan.steps - 1; return the last metrics record."""
+def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
+    """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record."""
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
     world, accum = accelerator.num_processes, config.batch.grad_accum
-    streaming = config.data.train.streaming
-    # Skip what the interrupted run already consumed: the data order is fixed by the seed (a
-    # stream was already started after the consumed blocks in setup_run).
-    skip = start_step and not streaming
-    batches = iter(accelerator.skip_first_batches(run.loader, start_step * accum) if skip else run.loader)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     bar = tqdm(total=plan.steps, initial=start_step,
                disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
@@ -196,8 +210,11 @@ def train_steps(run: Run, start_step: int) -> dict:
                 sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
         loss, lm, kd = (accelerator.reduce(sums, reduction="sum") / global_tokens).tolist()
         if not math.isfinite(loss):
-            # Stop before the update so the weights and the last checkpoint stay good.
-            raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped (last good checkpoint kept in {run.run_dir / 'checkpoints'})")
+            # Stop before the update so the weights and the last checkpoint stay good. DeepSpeed
+            # has already stepped inside backward(): the weights are bad, the checkpoint is not.
+            when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
+            raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, last good checkpoint "
+                                   f"kept in {run.run_dir / 'checkpoints'}")
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.optim.grad_clip) if config.optim.grad_clip > 0 else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -216,7 +233,8 @@ def train_steps(run: Run, start_step: int) -> dict:
         if config.eval.every and done % config.eval.every == 0 and done != plan.steps:
             run.log({"step": done, **run.validate()})
         if config.checkpoint.every and done % config.checkpoint.every == 0:
-            state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step}
+            state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
+                     "processes": world}
             save_checkpoint(accelerator, run.run_dir, done, state, config.checkpoint.keep)
     bar.close()
     return record
@@ -258,7 +276,7 @@ def finish_run(run: Run, last_record: dict) -> dict:
         "distillation teacher": config.distill.teacher or "none",
         "training data": config.data.train.files or config.data.train.dataset,
         "val loss before / after": f"{start_val if start_val is None else round(start_val, 4)} / {final_eval['val_loss']:.4f}",
-        "val perplexity after": round(final_eval["val_ppl"], 3), "mixed precision": config.mixed_precision,
+        "val perplexity after": round(final_eval["val_ppl"], 3), "mixed precision": accelerator.mixed_precision,
     }
     save_final_model(accelerator, run.model, run.tokenizer, run.run_dir / "model", Path(config.model), card)
     if accelerator.is_main_process:

@@ -134,13 +134,36 @@ def build_data(
     return scheduled, val, len(train)
 
 
-def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices (not on norms and biases), as in GPT-2/nanoGPT."""
+def check_validation_size(config: TrainConfig, n_val_blocks: int) -> int:
+    """The number of validation blocks evaluated; UsageError when they would score no token.
+
+    A validation over nothing would log val_loss 0 and perplexity 1, a perfect score, into the
+    metrics and the model card.
+    """
+    batch = config.eval.batch_size or config.batch.micro_batch
+    cap = config.eval.max_batches
+    n_eval = n_val_blocks if cap is None else min(n_val_blocks, cap * batch)
+    if n_eval * (config.data.seq_len - 1) <= 0:
+        raise UsageError(
+            f"validation would score no tokens: {n_val_blocks} validation blocks of {config.data.seq_len} tokens, "
+            f"eval.max_batches={cap} x eval batch {batch}; give more validation text or raise eval.max_batches"
+        )
+    return n_eval
+
+
+def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD); weight decay only on matrices (not on norms and biases), as in nanoGPT.
+
+    SGD's update is proportional to the gradient, so an error in gradient scale shows in the
+    weights; AdamW's update is (nearly) scale-invariant and hides it.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
