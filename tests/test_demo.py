@@ -8,7 +8,7 @@ from uptrain.measure.eval import evaluate_paths
 
 
 def test_demo_converts_uptrains_and_reports(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "demo"), "--stories", "3", "budget.tokens=16384",
+    assert main(["--out", str(tmp_path / "demo"), "--stories", "3", "budget.tokens=16384", "optim.warmup_steps=2",
                  "log.progress_bar=false"]) == 0
     out = capsys.readouterr().out
     losses = {name: float(loss) for name, loss in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import signal
@@ -91,6 +92,34 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
     assert len(complete_checkpoints(run_dir)) == 2  # keep: 2
 
 
+def test_resume_with_dropout_restores_the_random_state(tmp_path, one_torch_thread):
+    # With dropout on, every step draws masks from the RNG: a resumed run reproduces the
+    # uninterrupted losses only if the checkpoint's RNG state (every process's) is restored.
+    model = tmp_path / "dropout-model"
+    shutil.copytree(REPO / "examples" / "stories260K-mha8", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.2}))
+    probe = AutoModelForCausalLM.from_pretrained(model).train()
+    ids = torch.tensor([list(range(3, 40))])
+    assert not torch.equal(probe(input_ids=ids).logits, probe(input_ids=ids).logits)  # dropout is live
+
+    data = REPO / "examples" / "data"
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, steps=8, **{"model": model, "data.train.files": f"[{data / 'tinystories-train-sample.txt'}]",
+                                               "data.val.files": f"[{data / 'tinystories-valid-sample.txt'}]",
+                                               "checkpoint.every": 4, "checkpoint.keep": 2, "eval.max_batches": 1})
+    train(load_config(DEMO, args))
+    reference = train_losses(run_dir)
+    shutil.rmtree(run_dir / "model")
+    shutil.rmtree(complete_checkpoints(run_dir)[-1])  # as if stopped right after step 4's checkpoint
+    assert complete_checkpoints(run_dir)[-1].name == "checkpoint-00000004"
+    train(load_config(DEMO, args + ["resume=latest"]))
+    resumed = train_losses(run_dir)
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(1, 9):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
 def test_kd_loss_matches_a_hand_computation():
     torch.manual_seed(0)
     student, teacher = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
@@ -111,7 +140,7 @@ def test_distillation_from_an_identical_teacher_has_zero_kl(tmp_path):
     student = tmp_path / "student"  # a converted model comes with a model card: it is extended
     shutil.copytree(GQA4, student)
     (student / "README.md").write_text("# Converted stories260K\n\nConversion record here.\n")
-    run_dir, _ = run(tmp_path, steps=1, **{"model": student, "distill.teacher": MHA8, "distill.alpha_kd": 0.3,
+    run_dir, _ = run(tmp_path, steps=1, **{"optim.warmup_steps": 0, "model": student, "distill.teacher": MHA8, "distill.alpha_kd": 0.3,
                                            "distill.temperature": 2.0, "gradient_checkpointing": "true"})
     (record,) = [r for r in read_metrics(run_dir) if "loss" in r]
     assert record["kd_loss"] == pytest.approx(0.0, abs=1e-5)

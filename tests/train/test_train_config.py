@@ -86,6 +86,8 @@ BAD = {
     "unknown field": (lambda tmp: ["optim.warmup=3"], "unknown config field 'optim.warmup'"),
     "missing data": (lambda tmp: ["data.train.files=[/nonexistent/train.txt]"], "data file not found"),
     "budget below one step": (lambda tmp: ["budget.tokens=511"], "below one optimizer step of 512 tokens"),
+    "no validation tokens": (lambda tmp: ["eval.max_batches=0"], "validation must score tokens"),
+    "warmup beyond the run": (lambda tmp: ["optim.warmup_steps=5"], "optim.warmup_steps=5 is more than the run's 4 optimizer steps"),
     "model missing": (lambda tmp: [f"model={tmp / 'nothing'}"], "is not a model folder"),
     "kv heads": (lambda tmp: ["expect_kv_heads=2"], "has 4 key/value heads but expect_kv_heads=2"),
     "tokenizer mismatch": (lambda tmp: [f"distill.teacher={_teacher_with_other_vocab(tmp)}"], "do not share a tokenizer"),

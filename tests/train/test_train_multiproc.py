@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, REPO, need_models, read_metrics, tiny_overrides, train_losses
+from train_helpers import DEMO, GQA4, REPO, need_models, read_metrics, tiny_overrides, train_losses
 from uptrain.train.run_state import complete_checkpoints
 from uptrain.train import train
+from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
 
 STEPS = 6
@@ -38,55 +40,122 @@ def launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+# Plain SGD (its update is proportional to the gradient, unlike AdamW's) with clipping above any
+# gradient norm: a gradient off by the process count shows in the losses, grad_norm and weights.
+# Validation: 3 blocks (eval.batch_size 3 x max_batches 1) do not split evenly over 2 processes.
+SGD = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 1000.0, "eval.every": 3,
+       "eval.batch_size": 3, "eval.max_batches": 1}
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(tmp_path_factory) -> tuple:
+    """(one-process run folder, two-process run folder, two-process stdout): same global batch."""
     need_models()
+    tmp_path = tmp_path_factory.mktemp("sgd")
     # One process: micro batch 4 x 2 accumulation steps = 8 sequences per optimizer step.
     single = tmp_path / "single"
-    train(load_config(DEMO, tiny_overrides(single, steps=STEPS)))
-
+    train(load_config(DEMO, tiny_overrides(single, steps=STEPS, **SGD)))
+    _forget_accelerate_state()
     # Two processes: micro batch 4 x 1 step x 2 processes = the same 8 sequences per step.
     double = tmp_path / "double"
-    args = tiny_overrides(double, steps=STEPS, **{"batch.grad_accum": 1, "checkpoint.every": 3, "checkpoint.keep": 1})
+    args = tiny_overrides(double, steps=STEPS, **{**SGD, "batch.grad_accum": 1, "checkpoint.every": 3,
+                                                   "checkpoint.keep": 1})
     proc = launch_two_processes(args)
-    assert "x 2 processes" in proc.stdout  # both ranks joined one process group
+    return single, double, proc.stdout
+
+
+def _forget_accelerate_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(sgd_runs):
+    single, double, stdout = sgd_runs
+    assert "x 2 processes" in stdout  # both ranks joined one process group
 
     # The same loss at every step: token sums are added over both processes before dividing.
     one, two = train_losses(single), train_losses(double)
     assert sorted(two) == list(range(1, STEPS + 1))
     for step in one:
         assert two[step] == pytest.approx(one[step], abs=1e-5), step
-    val_one = [r["val_loss"] for r in read_metrics(single) if "val_loss" in r]
-    val_two = [r["val_loss"] for r in read_metrics(double) if "val_loss" in r]
-    assert val_two == pytest.approx(val_one, abs=1e-5)
-
-    # Same final weights: without synchronised gradients rank 0 would have learnt from half the data.
-    w_one = load_file(single / "model" / "model.safetensors")
-    w_two = load_file(double / "model" / "model.safetensors")
-    assert w_one.keys() == w_two.keys()
-    for name in w_one:
-        torch.testing.assert_close(w_two[name], w_one[name], atol=1e-5, rtol=1e-4, msg=name)
+    # The same validation blocks, all 3 of them, though they do not split evenly over 2 processes.
+    val_one = [(r["val_loss"], r["val_tokens"]) for r in read_metrics(single) if "val_loss" in r]
+    val_two = [(r["val_loss"], r["val_tokens"]) for r in read_metrics(double) if "val_loss" in r]
+    assert [t for _, t in val_one] == [t for _, t in val_two] == [3 * 63] * 3
+    assert [v for v, _ in val_two] == pytest.approx([v for v, _ in val_one], abs=1e-5)
 
     # One checkpoint folder for the run, holding both ranks' RNG state and the data position.
     (checkpoint,) = complete_checkpoints(double)
     assert checkpoint.name == f"checkpoint-{STEPS:08d}"
     assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state == {"step": STEPS, "samples": STEPS * 8, "tokens": STEPS * 8 * 64}
+    assert state == {"step": STEPS, "samples": STEPS * 8, "tokens": STEPS * 8 * 64, "processes": 2}
     assert not list((double / "checkpoints").glob(".tmp-*"))
 
 
-def test_streaming_two_processes_see_the_same_global_batches_as_one(tmp_path, one_torch_thread):
+def test_two_processes_normalise_gradients_like_one(sgd_runs):
+    # DDP averages gradients over processes; the trainer's x world makes that sum / global tokens.
+    # Without it the two-process gradient is half the one-process one: grad_norm and SGD show it.
+    single, double, _ = sgd_runs
+    norm_one = {r["step"]: r["grad_norm"] for r in read_metrics(single) if "grad_norm" in r}
+    norm_two = {r["step"]: r["grad_norm"] for r in read_metrics(double) if "grad_norm" in r}
+    assert sorted(norm_two) == sorted(norm_one) == list(range(1, STEPS + 1))
+    for step in norm_one:
+        assert norm_two[step] == pytest.approx(norm_one[step], rel=1e-4), step
+    # Same final weights: without synchronised gradients rank 0 would have learnt from half the data.
+    w_one = load_file(single / "model" / "model.safetensors")
+    w_two = load_file(double / "model" / "model.safetensors")
+    assert w_one.keys() == w_two.keys()
+    start = load_file(GQA4 / "model.safetensors")
+    moved = max((w_one[name] - start[name]).abs().max().item() for name in w_one if name in start)
+    assert moved > 1e-3  # SGD moved the weights far more than the tolerance below
+    for name in w_one:
+        torch.testing.assert_close(w_two[name], w_one[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_resume_on_another_process_count_is_refused(sgd_runs, capsys):
+    # The two-process run's checkpoint (step 6 = 48 sequences) resumed by one process would
+    # re-plan 12 steps, skip 24 sequences and stretch the LR schedule: a different run.
+    _, double, _ = sgd_runs
+    args = tiny_overrides(double, steps=STEPS, **{**SGD, "batch.grad_accum": 1, "checkpoint.every": 3,
+                                                   "checkpoint.keep": 1})
+    before = (double / "metrics.jsonl").read_text()
+    assert main([str(DEMO), *args, "resume=latest"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "was written by a run on 2 processes but this one has 1" in err and "--num_processes 2" in err, err
+    assert (double / "metrics.jsonl").read_text() == before  # nothing was trained or rewritten
+
+
+def test_streaming_two_processes_see_the_same_global_batches_as_one_and_resume(tmp_path, one_torch_thread):
     # A stream is read by the main process and its batches dispatched: process r gets the r-th of
     # each group of consecutive batches, so a step's global batch is the one-process step's.
+    # Validation on 1 block: fewer blocks than processes, still scored (rank 1 runs an uncounted forward).
     need_models()
-    stream = {"data.train.streaming": "true", "data.shuffle_buffer": 16}
+    stream = {"data.train.streaming": "true", "data.shuffle_buffer": 16, "eval.max_batches": 1, "eval.batch_size": 1}
     single = tmp_path / "single"
     train(load_config(DEMO, tiny_overrides(single, steps=4, **stream)))
     double = tmp_path / "double"
-    args = tiny_overrides(double, steps=4, **{**stream, "batch.grad_accum": 1})
+    args = tiny_overrides(double, steps=4, **{**stream, "batch.grad_accum": 1, "checkpoint.every": 2})
     proc = launch_two_processes(args)
     assert "x 2 processes" in proc.stdout and "streaming train blocks" in proc.stdout
     one, two = train_losses(single), train_losses(double)
     assert sorted(two) == sorted(one) == [1, 2, 3, 4]
     for step in one:
         assert two[step] == pytest.approx(one[step], abs=1e-5), step
+    val_one = [(r["val_loss"], r["val_tokens"]) for r in read_metrics(single) if "val_loss" in r]
+    val_two = [(r["val_loss"], r["val_tokens"]) for r in read_metrics(double) if "val_loss" in r]
+    assert [t for _, t in val_two] == [t for _, t in val_one] == [63, 63]
+    assert [v for v, _ in val_two] == pytest.approx([v for v, _ in val_one], abs=1e-5)
+
+    # Interrupted after the checkpoint of step 2: two processes resume the stream after the
+    # 2 x 8 blocks consumed and reproduce the uninterrupted losses.
+    shutil.rmtree(double / "model")
+    shutil.rmtree(complete_checkpoints(double)[-1])
+    assert complete_checkpoints(double)[-1].name == "checkpoint-00000002"
+    launch_two_processes(args + ["resume=latest"])
+    resumed = train_losses(double)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(two[step], abs=1e-6), step

@@ -59,8 +59,9 @@ class BatchConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio` x `lr`."""
+    """AdamW (or plain SGD) with linear warmup then cosine decay to `min_lr_ratio` x `lr`."""
 
+    name: str = "adamw"  # adamw; sgd: plain SGD without momentum (its update shows gradient scale)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
@@ -121,7 +122,7 @@ class TrainConfig:
     resume: str | None = None  # "latest" or a checkpoint folder
     overwrite: bool = False  # allow replacing another run's state in run_dir
     seed: int = 0
-    mixed_precision: str = "no"  # no, bf16, fp16
+    mixed_precision: str | None = None  # no, bf16, fp16; None: the launcher's (accelerate config/flag), else no
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the model
     data: DataConfig = field(default_factory=DataConfig)
@@ -137,7 +138,8 @@ class TrainConfig:
         """Raise UsageError on values that cannot work (paths are checked by the trainer)."""
         checks = [
             (bool(self.model), "model: give the folder of the model to train"),
-            (self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision must be no, bf16 or fp16"),
+            (self.mixed_precision in (None, "no", "bf16", "fp16"),
+             "mixed_precision must be no, bf16 or fp16 (or null: take the launcher's)"),
             (self.resume in (None, "latest") or Path(self.resume).is_dir(),
              f"resume must be 'latest' or an existing checkpoint folder, got {self.resume!r}"),
             (self.data.seq_len >= 2, "data.seq_len must be at least 2"),
@@ -148,10 +150,14 @@ class TrainConfig:
              "batch.micro_batch and batch.grad_accum must be at least 1"),
             (self.optim.lr > 0 and 0 <= self.optim.min_lr_ratio <= 1,
              "optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]"),
+            (self.optim.name in ("adamw", "sgd"), f"optim.name must be adamw or sgd, got {self.optim.name!r}"),
             (self.optim.warmup_steps >= 0 and self.optim.grad_clip >= 0,
              "optim.warmup_steps and optim.grad_clip must be >= 0"),
             (0.0 <= self.distill.alpha_kd <= 1.0 and self.distill.temperature > 0,
              "distill.alpha_kd must be in [0, 1] and distill.temperature > 0"),
+            ((self.eval.max_batches is None or self.eval.max_batches >= 1)
+             and (self.eval.batch_size is None or self.eval.batch_size >= 1),
+             "eval.max_batches and eval.batch_size must be at least 1 (or null): validation must score tokens"),
             (self.eval.every >= 0 and self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
             (self.log.every >= 1, "log.every must be at least 1"),

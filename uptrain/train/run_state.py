@@ -108,7 +108,30 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
     return final
 
 
+def checkpoint_state(path: Path) -> dict:
+    """The trainer state of a complete checkpoint: step, samples, tokens, processes."""
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def check_same_processes(path: Path, state: dict, world: int, sequences_per_process: int) -> None:
+    """Refuse to resume checkpoint `path` on another number of processes than it was written with.
+
+    The global batch is micro_batch x grad_accum x processes: another count would re-plan the
+    steps, skip the wrong number of sequences and stretch the LR schedule, i.e. a different run.
+    Checkpoints that predate the stored count give it as samples / step / `sequences_per_process`.
+    """
+    processes = state.get("processes")
+    if processes is None and state.get("step"):
+        processes = state["samples"] // state["step"] // sequences_per_process
+    if processes is not None and processes != world:
+        raise UsageError(
+            f"checkpoint {path} was written by a run on {processes} processes but this one has {world}; "
+            f"resume it with {processes} processes (accelerate launch --num_processes {processes}): "
+            "another count changes the global batch, the steps and the LR schedule"
+        )
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
     """Restore the accelerate state in `path`; return its trainer state (step, samples, ...)."""
     accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+    return checkpoint_state(path)

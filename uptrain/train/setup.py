@@ -91,7 +91,13 @@ def plan_run(config: TrainConfig, world: int) -> RunPlan:
             f"budget of {total:,} tokens is below one optimizer step of {per_step:,} tokens "
             f"(seq_len x micro_batch x grad_accum x {world} processes); raise the budget or shrink the batch"
         )
-    return RunPlan(total, total // per_step, sequences, per_step)
+    steps = total // per_step
+    if config.optim.warmup_steps > steps:
+        raise UsageError(
+            f"optim.warmup_steps={config.optim.warmup_steps} is more than the run's {steps} optimizer steps "
+            f"({total:,} tokens / {per_step:,} per step); lower optim.warmup_steps or raise the budget"
+        )
+    return RunPlan(total, steps, sequences, per_step)
 
 
 def build_data(
@@ -131,23 +137,51 @@ def build_data(
     return scheduled, val, len(train)
 
 
-def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices (not on norms and biases), as in GPT-2/nanoGPT."""
+def check_validation_size(config: TrainConfig, n_val_blocks: int) -> int:
+    """The number of validation blocks evaluated; UsageError when they would score no token.
+
+    A validation over nothing would log val_loss 0 and perplexity 1, a perfect score, into the
+    metrics and the model card.
+    """
+    batch = config.eval.batch_size or config.batch.micro_batch
+    cap = config.eval.max_batches
+    n_eval = n_val_blocks if cap is None else min(n_val_blocks, cap * batch)
+    if n_eval * (config.data.seq_len - 1) <= 0:
+        raise UsageError(
+            f"validation would score no tokens: {n_val_blocks} validation blocks of {config.data.seq_len} tokens, "
+            f"eval.max_batches={cap} x eval batch {batch}; give more validation text or raise eval.max_batches"
+        )
+    return n_eval
+
+
+def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD); weight decay only on matrices (not on norms and biases), as in nanoGPT.
+
+    SGD's update is proportional to the gradient, so an error in gradient scale shows in the
+    weights; AdamW's update is (nearly) scale-invariant and hides it.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
 
-    A pure function of the step, so a resumed run needs no scheduler state to get it right.
+    transformers' `get_cosine_with_min_lr_schedule_with_warmup` (min_lr_rate = o.min_lr_ratio)
+    read one step ahead, i.e. as if its scheduler were stepped before each optimizer step:
+    step 0 uses lr / warmup_steps (no step is spent at lr 0), the last warm-up step the peak lr
+    (once), and the last step of the run exactly min_lr. A pure function of the step, so a
+    resumed run needs no scheduler state to get it right.
     """
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
-    min_lr = o.lr * o.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (o.lr - min_lr)
+    t, warmup = step + 1, o.warmup_steps  # transformers' `current_step` after its scheduler.step()
+    if t < warmup:
+        return o.lr * t / warmup
+    progress = (t - warmup) / max(1, total_steps - warmup)
+    factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return o.lr * (factor * (1 - o.min_lr_ratio) + o.min_lr_ratio)

@@ -1,0 +1,81 @@
+"""What the launcher decides: the Accelerator (devices, processes, mixed precision, trackers),
+and which trainer settings hold under it (DeepSpeed changes when the update happens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from uptrain.errors import UsageError
+from uptrain.train.config import TrainConfig
+
+
+def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
+    """An Accelerator for this machine; trackers named in log.log_with.
+
+    Mixed precision: an explicit `mixed_precision` in the run config wins; unset (None), accelerate
+    takes the launcher's (`accelerate launch --mixed_precision` / the accelerate config file, passed
+    as ACCELERATE_MIXED_PRECISION), else "no".
+    """
+    if "wandb" in config.log.log_with:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("log.log_with asks for wandb but it is not installed; pip install wandb") from None
+    return Accelerator(
+        # Without cpu=True on a machine without CUDA, `accelerate launch --multi_gpu` ranks would
+        # not join one process group: each would silently train alone.
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=config.mixed_precision,
+        log_with=config.log.log_with or None,
+        project_dir=str(run_dir),
+    )
+
+
+@dataclass
+class DeepSpeedFacts:
+    """What the trainer needs to know of a DeepSpeed launch (from its resolved config)."""
+
+    zero_stage: int
+    gradient_clipping: float | str | None  # the DeepSpeed config's value; None: absent (no clipping)
+
+
+def deepspeed_facts(accelerator: Accelerator) -> DeepSpeedFacts | None:
+    """The DeepSpeed facts of this launch, or None when it is not a DeepSpeed one."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    return DeepSpeedFacts(int(ds.get("zero_optimization", {}).get("stage", 0)), ds.get("gradient_clipping"))
+
+
+def check_deepspeed(config: TrainConfig, ds: DeepSpeedFacts | None) -> None:
+    """Refuse (UsageError) the settings that DeepSpeed would silently change.
+
+    Under DeepSpeed, `accelerator.backward` runs the engine's backward *and* its optimizer step:
+    the trainer's own accumulation would step every micro batch, its clipping never runs (the
+    DeepSpeed config's gradient_clipping does), and the NaN guard can only stop the run after the
+    bad update (the last checkpoint, written before it, is still good). Under ZeRO-3, a teacher
+    loaded with from_pretrained is partitioned by zero.Init yet called outside any engine.
+    """
+    if ds is None:
+        return
+    if config.batch.grad_accum > 1:
+        raise UsageError("with DeepSpeed set batch.grad_accum=1 and raise batch.micro_batch instead "
+                         "(DeepSpeed steps inside backward, so the trainer cannot accumulate)")
+    if config.distill.teacher and ds.zero_stage == 3:
+        raise UsageError("distill.teacher is not supported under DeepSpeed ZeRO-3 (the teacher would be "
+                         "partitioned and called outside the engine); use ZeRO stage 1/2 or FSDP "
+                         "(configs/accelerate/fsdp2.yaml)")
+    clip = ds.gradient_clipping
+    if isinstance(clip, str):  # "auto" left unresolved: the value that applies is unknown
+        raise UsageError(f"the DeepSpeed config's gradient_clipping is {clip!r}; set it to a number equal "
+                         f"to optim.grad_clip ({config.optim.grad_clip})")
+    if float(clip or 0.0) != config.optim.grad_clip:
+        raise UsageError(f"under DeepSpeed its config's gradient_clipping ({float(clip or 0.0)}) clips gradients, "
+                         f"not optim.grad_clip ({config.optim.grad_clip}); set optim.grad_clip={float(clip or 0.0)} "
+                         "or change gradient_clipping in the DeepSpeed config")
