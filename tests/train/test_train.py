@@ -57,6 +57,15 @@ def test_few_steps_lower_the_loss_and_leave_a_loadable_model(tmp_path):
     assert list((run_dir / "uptrain").rglob("events.out.tfevents*"))  # TensorBoard via accelerate
     assert result["val_loss"] == pytest.approx(val[-1])
 
+    # A finished run is not resumed (that would redo its last steps and overwrite model/): one
+    # line says it is finished and how to train further.
+    args = tiny_overrides(run_dir, steps=16, **{"log.log_with": "[tensorboard]", "eval.every": 8,
+                                                "data.train.files": f"[{new_text}]", "data.val": "null",
+                                                "data.val_fraction": 0.02})
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert main([str(DEMO), *args, "resume=latest"]) == 2
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
 
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
     need_models()

@@ -93,6 +93,7 @@ BAD = {
     "tokenizer mismatch": (lambda tmp: [f"distill.teacher={_teacher_with_other_vocab(tmp)}"], "do not share a tokenizer"),
     "data below budget": (lambda tmp: ["budget.tokens=2e6"], "set data.repeat_data=true"),
     "other run": (lambda tmp: [] if _other_run(tmp / "run") else [], "already holds a run"),
+    "seq_len beyond the model": (lambda tmp: ["data.seq_len=1024", "budget.tokens=1e5"], "data.seq_len=1024 is beyond the 512 positions"),
     "other run resumed": (lambda tmp: ["resume=latest"] if _other_run(tmp / "run") else [], "holds another run's state"),
 }
 
@@ -132,3 +133,32 @@ def test_repeat_data_allows_a_budget_beyond_the_data(tmp_path):
     args = tiny_overrides(tmp_path / "run", steps=2, **{"data.train.files": f"[{small}]", "eval.max_batches": 1})
     assert main([str(DEMO), *args]) == 2  # one story holds fewer than 16 blocks of 64 tokens
     assert main([str(DEMO), *args, "data.repeat_data=true"]) == 0
+
+
+def test_paths_in_a_config_file_are_relative_to_it_and_overrides_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # anywhere but the repository
+    demo = load_config(DEMO)
+    assert demo.data.train.files == [str(REPO / "examples" / "data" / "tinystories-train-sample.txt")]
+    assert demo.run_dir == str(REPO / "runs" / "demo-cpu") and demo.model == str(REPO / "runs" / "stories260K-gqa2")
+    other = load_config(DEMO, ["run_dir=mine", "model=org/some-hub-model", f"data.val.files=[{VALID_TXT}]"])
+    assert other.run_dir == "mine" and other.model == "org/some-hub-model"  # as typed: cwd-relative / Hub id
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "run.yaml").write_text(
+        "model: meta-llama/Llama-2-7b-hf\nrun_dir: out\nbudget: {tokens: 1000}\n"
+        f"data: {{train: {{files: [{VALID_TXT}]}}}}\n")
+    mine = load_config(tmp_path / "cfg" / "run.yaml")
+    assert mine.model == "meta-llama/Llama-2-7b-hf"  # a Hub id stays one
+    assert mine.run_dir == str(tmp_path / "cfg" / "out")
+
+
+def test_files_null_on_the_command_line_means_no_files():
+    config = load_config(DEMO, ["data.train.files=null", "data.train.dataset=roneneldan/TinyStories"])
+    assert config.data.train.files == [] and config.data.train.dataset == "roneneldan/TinyStories"
+
+
+def test_the_plan_says_how_many_cpu_threads_run(tmp_path, capsys):
+    need_models()
+    assert main([str(DEMO), *tiny_overrides(tmp_path / "run", steps=2, **{"optim.warmup_steps": 1}), "threads=1"]) == 0
+    assert "CPU threads per process: 1" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="threads must be at least 1"):
+        load_config(DEMO, ["threads=0"])

@@ -125,6 +125,8 @@ class TrainConfig:
     mixed_precision: str | None = None  # no, bf16, fp16; None: the launcher's (accelerate config/flag), else no
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the model
+    threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
+    # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -161,6 +163,7 @@ class TrainConfig:
             (self.eval.every >= 0 and self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
             (self.log.every >= 1, "log.every must be at least 1"),
+            (self.threads is None or self.threads >= 1, "threads must be at least 1 (or null: torch's default)"),
             (set(self.log.log_with) <= {"tensorboard", "wandb"},
              f"log.log_with takes tensorboard and/or wandb, got {self.log.log_with}"),
         ]
@@ -198,6 +201,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise UsageError(f"config field {name!r} must be a mapping, got {value!r}")
         return _build(hint, value, name + ".")
     if origin is list:
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return []  # `files=null` on the command line: no files (not a file named "None")
         items = value if isinstance(value, list) else [value]
         return [_coerce(v, typing.get_args(hint)[0], name) for v in items]
     try:
@@ -251,8 +256,43 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+# Fields holding local paths. In a config FILE, relative paths are relative to that file's
+# folder (so a config works from any working directory); on the command line (`key=value`),
+# relative to the working directory, as a shell user expects.
+_PATH_FIELDS = ("run_dir", "resume", "data.train.files", "data.val.files")
+# Fields that may also name a Hub model: resolved only when written as a path (./, ../) or
+# when the path exists beside the config.
+_MODEL_FIELDS = ("model", "tokenizer", "distill.teacher")
+
+
+def _resolve_file_paths(raw: dict, base: Path) -> None:
+    """Rewrite the relative local paths of a config file's dict `raw` against `base` (in place)."""
+    def resolve(value: Any, model_like: bool) -> Any:
+        if not isinstance(value, str) or not value or value == "latest" or Path(value).is_absolute():
+            return value
+        candidate = base / value
+        if model_like and not (value.startswith(("./", "../")) or candidate.exists()):
+            return value  # a Hub id (org/name), or a folder relative to the working directory
+        return str(candidate.resolve())
+
+    for dotted in (*_PATH_FIELDS, *_MODEL_FIELDS):
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node[leaf]
+        model_like = dotted in _MODEL_FIELDS
+        node[leaf] = [resolve(v, model_like) for v in value] if isinstance(value, list) else resolve(value, model_like)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML run config, apply `key=value` overrides, validate, return the TrainConfig."""
+    """Read a YAML run config, apply `key=value` overrides, validate, return the TrainConfig.
+
+    Relative paths in the file are taken relative to the file's folder; relative paths in
+    `overrides` relative to the working directory.
+    """
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"config file not found: {path}")
@@ -262,6 +302,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
         raise UsageError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
     if not isinstance(raw, dict):
         raise UsageError(f"{path} must hold a mapping of config fields")
+    _resolve_file_paths(raw, path.resolve().parent)
     config = _build(TrainConfig, apply_overrides(raw, overrides or []))
     config.validate()
     return config

@@ -34,11 +34,12 @@ from uptrain.train.config import TrainConfig, to_dict
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
-    RUN_FILE, check_run_dir, check_same_processes, checkpoint_state, clear_run_dir, load_checkpoint, save_checkpoint,
+    RUN_FILE, check_run_dir, check_same_processes, checkpoint_state, clear_run_dir, load_checkpoint, mark_finished,
+    save_checkpoint,
 )
 from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
 from uptrain.train.setup import (
-    RunPlan, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
+    RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
 )
 from uptrain.train.validate import validate_blocks
 
@@ -95,6 +96,7 @@ def setup_run(config: TrainConfig) -> Run:
     world = accelerator.num_processes
 
     # --- checks first: config, run folder, models, budget, data; all before weights load ---
+    apply_threads(config.threads)
     check_deepspeed(config, deepspeed_facts(accelerator))
     plan = plan_run(config, world)
     config_dict = to_dict(config)
@@ -281,6 +283,8 @@ def finish_run(run: Run, last_record: dict) -> dict:
     save_final_model(accelerator, run.model, run.tokenizer, run.run_dir / "model", Path(config.model), card)
     if accelerator.is_main_process:
         plot_losses(history, run.run_dir / "loss.png")
+        mark_finished(run.run_dir, {"steps": plan.steps, "tokens": plan.steps * plan.tokens_per_step,
+                                    "val_loss": final_eval["val_loss"]})
         accelerator.print(f"saved {run.run_dir / 'model'} and {run.run_dir / 'loss.png'}")
     accelerator.end_training()
     return {**final_eval, "last_loss": last_record.get("loss"), "steps": plan.steps}

@@ -26,7 +26,8 @@ RUN_FILE = "run.yaml"
 # Config sections that decide the data order and the optimisation trajectory: a resumed run must
 # match them, or it would not continue the same run.
 _RUN_IDENTITY = ("model", "tokenizer", "seed", "data", "budget", "batch", "optim", "distill")
-_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE)
+FINISHED_FILE = "finished.json"  # written last by a run that completed its budget
+_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -61,6 +62,15 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
                 f"run folder {run_dir} holds another run's state (differs in: {', '.join(changed)}); "
                 "use another run_dir or overwrite=true without resume"
             )
+    finished = run_dir / FINISHED_FILE
+    if finished.is_file():
+        # Resuming would redo the steps after the last checkpoint and overwrite model/.
+        record = json.loads(finished.read_text())
+        raise UsageError(
+            f"run {run_dir} is finished ({record.get('steps')} steps, {record.get('tokens'):,} tokens, "
+            f"val loss {record.get('val_loss', float('nan')):.4f}); to train further start a new run from it: "
+            f"model={run_dir / 'model'} run_dir=NEW_FOLDER"
+        )
     if resume == "latest":
         done = complete_checkpoints(run_dir)
         return done[-1] if done else None  # nothing saved yet: start from the beginning
@@ -68,6 +78,13 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
     return path
+
+
+def mark_finished(run_dir: Path, record: dict) -> None:
+    """Mark the run complete (main process, after model/ is saved): resume then refuses."""
+    tmp = run_dir / f".{FINISHED_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / FINISHED_FILE)
 
 
 def clear_run_dir(run_dir: Path, tracker_dir: str) -> None:

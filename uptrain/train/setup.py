@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,10 @@ def check_models(config: TrainConfig) -> PreTrainedTokenizerBase:
             f"model {config.model} has {kv_heads} key/value heads but expect_kv_heads={config.expect_kv_heads}; "
             "convert it first or fix expect_kv_heads"
         )
+    positions = getattr(student.get_text_config(), "max_position_embeddings", None)
+    if positions and config.data.seq_len > positions:
+        raise UsageError(f"data.seq_len={config.data.seq_len} is beyond the {positions} positions of model "
+                         f"{config.model} (max_position_embeddings); use data.seq_len<={positions}")
     tokenizer = _tokenizer(config.tokenizer or config.model)
     if config.distill.teacher:
         teacher = _model_config(config.distill.teacher, "distill.teacher")
@@ -77,8 +82,37 @@ class RunPlan:
             f"tokens (budget {self.total_tokens:,}); {self.sequences_per_step} sequences/step = "
             f"micro_batch {b.micro_batch} x grad_accum {b.grad_accum} x {world} processes, seq_len "
             f"{config.data.seq_len}; model {n_params:,} params; data {'streaming' if n_train is None else n_train} "
-            f"train blocks, {n_val} val blocks"
+            f"train blocks, {n_val} val blocks\n{cpu_threads_line(config.threads)}\n{paths_line(config)}"
         )
+
+
+def paths_line(config: TrainConfig) -> str:
+    """Where the run reads and writes, resolved (a config's relative paths are relative to its file)."""
+    def where(source) -> str:
+        if source is None:
+            return f"{config.data.val_fraction:.0%} of the training documents"
+        return ", ".join(str(Path(f).resolve()) for f in source.files) or f"Hub dataset {source.dataset}"
+    model = str(Path(config.model).resolve()) if Path(config.model).exists() else config.model
+    return (f"paths: model {model}; run_dir {Path(config.run_dir).resolve()}; "
+            f"train data {where(config.data.train)}; validation {where(config.data.val)}")
+
+
+def apply_threads(threads: int | None) -> None:
+    """Set torch's CPU threads per process (`threads` config field; None keeps torch's default)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def cpu_threads_line(threads: int | None) -> str:
+    """What runs, warning when other jobs already keep the CPUs busy (then fewer threads are
+    faster: with more threads than free cores they wait on each other at every operation)."""
+    line = f"CPU threads per process: {torch.get_num_threads()}" + ("" if threads else " (torch's default; config: threads)")
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > cores and torch.get_num_threads() > 1:
+        line += (f"; the load average is {load:.1f} on {cores} CPUs, so other jobs compete: "
+                 f"threads=1 (or OMP_NUM_THREADS=1) is likely faster")
+    return line
 
 
 def plan_run(config: TrainConfig, world: int) -> RunPlan:
