@@ -12,6 +12,7 @@ trainer_state.json is its completion mark: a folder without it is never taken as
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -95,6 +96,21 @@ def clear_run_dir(run_dir: Path, tracker_dir: str) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+class _TiedWeightsNotice(logging.Filter):
+    """Drop accelerate's "Removed shared tensor {'lm_head.weight'} while saving" warning.
+
+    Tied embeddings are one tensor under two names; safetensors stores it once and the model
+    ties it again on load (the resume test proves the round trip), so the warning on every
+    checkpoint of a tied model tells the user nothing.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in str(record.getMessage())  # accelerate prefixes "[RANK n] "
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNotice())
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: int) -> Path:
