@@ -89,9 +89,7 @@ class ShardWriter:
         """Finish the last shard and write `model.safetensors.index.json`."""
         if self._position != len(self._queue):
             raise RuntimeError(f"wrote {self._position} of {len(self._queue)} planned tensors")
-        if self._handle:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+        if self._handle:  # made durable by `atomic_output_dir`, which syncs every file it holds
             self._handle.close()
         weight_map = {spec.name: self.file_names[i] for i, spec in self._queue}
         total = sum(spec.nbytes for _, spec in self._queue)
@@ -130,6 +128,36 @@ def remove_stale_partials(out: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's data and metadata to the disk.
+
+    Folders cannot be opened for fsync on Windows; there the folder step is skipped (NTFS
+    journals the rename itself).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) * path.is_dir()
+    try:
+        fd = os.open(path, flags)
+    except (IsADirectoryError, PermissionError):
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder, deepest first, `folder` last."""
+    folders = []
+    for root, _, names in os.walk(folder):
+        folders.append(Path(root))
+        for name in names:
+            fsync_path(Path(root) / name)
+    for sub in reversed(folders):
+        fsync_path(sub)
+
+
 @contextmanager
 def atomic_output_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block completes.
@@ -137,7 +165,9 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     On any error (disk full, a bad tensor, Ctrl-C) the temporary folder is removed and `out`
     is untouched. An existing `out` is swapped out only after the new one is complete. A run
     killed outright (SIGKILL) leaves only a hidden `.NAME.partial-PID-*` folder, which the next
-    run for the same output removes.
+    run for the same output removes. Across a power loss too: every file and the folder are
+    fsynced before the rename, and the parent folder after it, so after a crash `out` is either
+    the old state or the complete new folder.
     """
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -149,10 +179,16 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        sync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
         out.rename(old)
     tmp.rename(out)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
