@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from uptrain.convert.architectures import family_for
-from uptrain.convert.source import SourceCheckpoint, auxiliary_files, open_checkpoint, resolve_source
+from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, hub_model_id, open_checkpoint,
+                                    resolve_source)
 from uptrain.errors import UsageError
 from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_config
-from uptrain.convert.modelcard import render_model_card
+from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, plan_conversion
 from uptrain.convert.heads import divisors
 from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path
@@ -75,7 +76,9 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
         for path in auxiliary_files(source.path):
             shutil.copyfile(path, tmp / path.name)
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
-        (tmp / "README.md").write_text(render_model_card(plan))
+        card = render_model_card(plan, source_card_metadata(source.path / "README.md"),
+                                 hub_model_id(plan.source, source.path))
+        (tmp / "README.md").write_text(card, encoding="utf-8")
         (tmp / RECORD_FILE).write_text(json.dumps(plan.record(), indent=2, default=str) + "\n")
 
 

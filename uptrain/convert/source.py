@@ -111,6 +111,17 @@ def resolve_source(ckpt: str, revision: str | None = None) -> Path:
     return folder
 
 
+def hub_model_id(ckpt: str, folder: Path) -> str | None:
+    """The Hub id of a source: `ckpt` itself when it was resolved on the Hub, or the id of a
+    huggingface_hub cache snapshot folder (.../models--ORG--NAME/snapshots/REV); else None."""
+    if not Path(ckpt).expanduser().exists():
+        return ckpt
+    parts = folder.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return None
+
+
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
