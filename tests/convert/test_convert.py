@@ -173,3 +173,15 @@ def test_python_api_and_module_entry_point(mha8, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "uptrain.convert", str(mha8), "--kv-heads", "4", "--dry-run"],
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "2.0x smaller" in proc.stdout
+
+
+def test_unchanged_tensors_are_copied_as_bytes_and_phases_are_timed(mha8, tmp_path, capsys):
+    """Identity conversion: every tensor moves as a byte range (no tensor is read); --verbose
+    prints the time of each phase, and the record keeps it."""
+    assert run([mha8, "--kv-heads", 8, "--out", tmp_path / "same", "--verbose"]) == 0
+    timing = json.loads((tmp_path / "same" / RECORD_FILE).read_text())["timing_s"]
+    assert {"plan", "copy", "write", "fsync"} <= set(timing) and "read" not in timing and "pool" not in timing
+    assert "time: plan" in capsys.readouterr().out
+    assert run([mha8, "--kv-heads", 2, "--out", tmp_path / "gqa"]) == 0
+    timing = json.loads((tmp_path / "gqa" / RECORD_FILE).read_text())["timing_s"]
+    assert {"plan", "copy", "read", "pool", "write", "fsync"} <= set(timing)

@@ -143,3 +143,29 @@ def test_bin_conversion_memory_stays_near_the_largest_tensor(tmp_path):
     assert total > 400e6 and len(list((tmp_path / "out").glob("*.safetensors"))) > 3
     assert growth < 3 * LARGEST + 32 * 2**20, f"peak RSS grew {growth / 2**20:.0f} MiB; largest tensor " \
                                               f"{LARGEST / 2**20:.0f} MiB, checkpoint {total / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("available", [("copy_file_range", "sendfile"), ("sendfile",), ()])
+def test_copy_range_by_every_path(tmp_path, monkeypatch, available):
+    """The kernel copy, sendfile and the portable read/write loop append the same bytes."""
+    import os
+
+    from uptrain.convert import shards
+    for name in ("copy_file_range", "sendfile"):
+        if name not in available and hasattr(os, name):
+            monkeypatch.delattr(os, name)
+    monkeypatch.setattr(shards, "_CHUNK", 4096)  # several calls per range
+    data = os.urandom(50_000)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(dst, b"head")
+        shards.copy_range(src, dst, 123, 30_000)
+        shards.copy_range(src, dst, 0, 5)
+        with pytest.raises(OSError, match="early"):
+            shards.copy_range(src, dst, 49_990, 20)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert (tmp_path / "dst").read_bytes()[:30_009] == b"head" + data[123:30_123] + data[:5]

@@ -53,9 +53,10 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class TensorInfo(TensorSpec):
-    """A source tensor's metadata and the file holding it."""
+    """A source tensor's metadata and the file holding it; for safetensors also where its bytes are."""
 
     file: Path = Path()
+    offset: int | None = None  # byte offset of the raw data in `file` (safetensors), else None
 
 
 BIN_REMAP_BYTES = 32 * 2**20
@@ -170,17 +171,31 @@ def _indexed_files(folder: Path, index_name: str) -> dict[str, Path]:
     return files
 
 
+def _data_offsets(file: Path) -> dict[str, int]:
+    """tensor name -> absolute byte offset of its data, from the safetensors header.
+
+    The file is `u64 header length | JSON header | data`; `data_offsets` count from the data start.
+    Called after `safe_open` has validated the header (offsets within the file, no overlaps).
+    """
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) -> list[TensorInfo]:
     infos: list[TensorInfo] = []
     wanted = None if name_to_file is None else set(name_to_file)
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
+                offsets = _data_offsets(file)
                 for name in f.keys():
                     if wanted is not None and name_to_file.get(name) != file.resolve():
                         continue
                     s = f.get_slice(name)
-                    infos.append(TensorInfo(name, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()], file))
+                    infos.append(TensorInfo(name, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()], file,
+                                            offsets[name]))
         except SafetensorError as err:
             raise UsageError(f"{file.name} is not a readable safetensors file ({err}); "
                              f"it is truncated or corrupted, download it again") from err

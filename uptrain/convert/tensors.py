@@ -42,11 +42,16 @@ class HeadChange:
 
 @dataclass(frozen=True)
 class OutputTensor:
-    """One output tensor: its spec, the source tensors it is made from, and how."""
+    """One output tensor: its spec, the source tensors it is made from, and how.
+
+    unchanged: the output is its one source, byte for byte (same name, shape and dtype), so a
+    writer may copy the bytes without building a tensor.
+    """
 
     spec: TensorSpec
     sources: tuple[TensorInfo, ...]
     make: Callable[[list[torch.Tensor]], torch.Tensor]
+    unchanged: bool = False
 
 
 def _change_rows(t: torch.Tensor, old: int, new: int, method: Method, dtype: torch.dtype) -> torch.Tensor:
@@ -127,7 +132,7 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
         out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
         spec = TensorSpec(info.name, info.shape, out_dtype)
         if found is None:
-            outputs.append(OutputTensor(spec, (info,), lambda ts: ts[0]))
+            outputs.append(OutputTensor(spec, (info,), lambda ts: ts[0], unchanged=out_dtype == info.dtype))
             continue
         rule, match = found
         if rule.kind == "head_list":
@@ -147,7 +152,8 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
         else:
             new_rows = rows * new // d.kv_heads
             make = maker.heads(rule, info.name, out_dtype)
-        outputs.append(OutputTensor(replace(spec, shape=(new_rows, *info.shape[1:])), (info,), make))
+        outputs.append(OutputTensor(replace(spec, shape=(new_rows, *info.shape[1:])), (info,), make,
+                                    unchanged=new == d.kv_heads and out_dtype == info.dtype))
     if len(projection_layers) != d.layers:
         raise UsageError(
             f"found K/V projections in {len(projection_layers)} of {d.layers} layers for model type "
