@@ -42,6 +42,13 @@ def test_pooling_keeps_dtype_and_computes_in_float32():
     torch.testing.assert_close(got, w.float().view(KV, G, HD, HIDDEN).mean(1).reshape(-1, HIDDEN).bfloat16())
 
 
+def test_pooling_leaves_its_input_untouched():
+    w = torch.randn(KV * G * HD, HIDDEN)
+    before = w.clone()
+    pool_heads(w, KV * G, KV)
+    assert torch.equal(w, before)
+
+
 def test_pooling_casts_once_to_the_requested_dtype():
     w = torch.randn(KV * G * HD, HIDDEN).to(torch.bfloat16)
     exact = w.float().view(KV, G, HD, HIDDEN).mean(1).reshape(-1, HIDDEN)

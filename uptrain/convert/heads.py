@@ -31,10 +31,11 @@ def pool_heads(t: torch.Tensor, heads: int, groups: int, method: Method = "mean"
     """Merge each run of heads // groups contiguous heads into one head.
 
     t: [heads * u, *rest] -> [groups * u, *rest] in `dtype` (default: t's dtype). "mean" (the
-    paper's method) sums the heads of one group at a time into a float32 accumulator of one head
-    ([u, *rest]) and casts each group's mean once, straight to `dtype`: no float32 copy of the
-    whole tensor, and no intermediate rounding to t's dtype. "first" keeps the group's first
-    head. ("random" is not a pooling: see `random_heads`.)
+    paper's method) adds the g = heads // groups heads of every group into a float32 accumulator
+    [groups, u, *rest] (the output's size, not a float32 copy of the whole input), one head
+    position at a time (g whole-tensor operations, so few thread synchronisations), and casts
+    the means once, straight to `dtype`: no intermediate rounding to t's dtype. "first" keeps
+    the group's first head. ("random" is not a pooling: see `random_heads`.)
     """
     grouped = _group_view(t, heads, groups)
     out_dtype = dtype or t.dtype
@@ -42,13 +43,10 @@ def pool_heads(t: torch.Tensor, heads: int, groups: int, method: Method = "mean"
         merged = grouped[:, 0].to(out_dtype)
     elif method == "mean":
         g = grouped.shape[1]
-        merged = torch.empty((groups, *grouped.shape[2:]), dtype=out_dtype)
-        acc = torch.empty(grouped.shape[2:], dtype=torch.float32)
-        for i in range(groups):
-            acc.copy_(grouped[i, 0])
-            for j in range(1, g):
-                acc.add_(grouped[i, j])
-            merged[i].copy_(acc.div_(g))
+        acc = grouped[:, 0].to(torch.float32, copy=True)
+        for j in range(1, g):
+            acc.add_(grouped[:, j])
+        merged = acc.div_(g).to(out_dtype)
     else:
         raise ValueError(f"pool_heads takes 'mean' or 'first', not {method!r}")
     return merged.reshape(groups * grouped.shape[2], *t.shape[1:]).contiguous()
