@@ -118,7 +118,8 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
     """Stream the outputs into `out` (all or nothing) with config, tokenizer files, card and record.
 
     Phase times (seconds) go into `plan.timing_s` and the record: plan, copy (unchanged tensors,
-    byte ranges moved by the kernel), read, pool, write, fsync (all files made durable).
+    byte ranges moved by the kernel), read (opening source tensors: safetensors are mapped, so
+    their pages are read in during pool), pool, write, fsync (all files made durable).
     """
     phases = Phases(plan.timing_s)
     with atomic_output_dir(out) as tmp:
