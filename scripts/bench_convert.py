@@ -75,7 +75,8 @@ def run_convert(src: Path, out: Path, kv_heads: int, verbose: bool = True) -> di
     t0 = time.perf_counter()
     # The child reports its own VmHWM: ru_maxrss of a forked child starts from the parent's RSS.
     child = subprocess.run([sys.executable, "-c", CHILD, str(src), "--kv-heads", str(kv_heads), "--out", str(out)]
-                           + ["--verbose"] * verbose, check=True, stdout=subprocess.PIPE, text=True)
+                           + ["--verbose"] * verbose, check=True, stdout=subprocess.PIPE, text=True,
+                           cwd=out.parent)  # `-c` puts the cwd first on sys.path: let PYTHONPATH pick uptrain
     wall = time.perf_counter() - t0
     timing = json.loads((out / "uptrain_conversion.json").read_text()).get("timing_s", {})
     shutil.rmtree(out)
