@@ -1,21 +1,28 @@
-"""Measure conversion wall time and peak memory on a checkpoint with a real model's shapes.
+"""Measure conversion wall time and peak memory on a checkpoint with a real model's shapes,
+against copying the same folder.
 
     python scripts/bench_convert.py ../shared/data/configs/llama-2-7b-hf.json --kv-heads 8 \
-        --dtype bfloat16 --work /tmp/bench-convert
+        --dtype bfloat16 --work /tmp/bench-convert [--layers 4] [--repeats 3] [--keep]
 
 Writes a random-weight checkpoint with exactly the tensor names and shapes that the config's
-transformers class saves (built on the meta device, so nothing is allocated), in 5 GB shards,
-then runs `python -m uptrain.convert` on it in a child process and reports wall time, peak RSS
-of the child and the largest tensor. Random weights: the numbers are about I/O and memory,
-not quality.
+transformers class saves (built on the meta device, so nothing is allocated), in 5 GB shards
+(`--layers` cuts the layer count, every tensor keeps its real shape). Then, `--repeats` times,
+interleaved (the order alternates each round): `python -m uptrain.convert` in a child process
+(wall time, the child's own peak RSS, its phase times from uptrain_conversion.json), and
+`cp -r SRC COPY && sync -f COPY` (a copy made durable, as the converter's output is). The
+source is read once before each run so both start from a cached source. Prints the median of
+each and their ratio. Random weights: the numbers are about I/O and memory, not quality.
+`--keep` keeps the source between invocations (reused when its config matches).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -38,8 +45,7 @@ sys.exit(rc)
 """
 
 
-def write_random_checkpoint(config_path: Path, folder: Path, dtype: torch.dtype, shard: str) -> list[TensorSpec]:
-    raw = json.loads(config_path.read_text())
+def write_random_checkpoint(raw: dict, folder: Path, dtype: torch.dtype, shard: str) -> list[TensorSpec]:
     rest = {k: v for k, v in raw.items() if k != "model_type"}
     cfg = AutoConfig.for_model(raw["model_type"], **rest)
     with torch.device("meta"):
@@ -56,33 +62,84 @@ def write_random_checkpoint(config_path: Path, folder: Path, dtype: torch.dtype,
     return specs
 
 
+def read_all(folder: Path) -> None:
+    """Bring the folder into the page cache (a cached source for every run)."""
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            while fh.read(64 * 2**20):
+                pass
+
+
+def run_convert(src: Path, out: Path, kv_heads: int, verbose: bool = True) -> dict:
+    read_all(src)
+    t0 = time.perf_counter()
+    # The child reports its own VmHWM: ru_maxrss of a forked child starts from the parent's RSS.
+    child = subprocess.run([sys.executable, "-c", CHILD, str(src), "--kv-heads", str(kv_heads), "--out", str(out)]
+                           + ["--verbose"] * verbose, check=True, stdout=subprocess.PIPE, text=True,
+                           cwd=out.parent)  # `-c` puts the cwd first on sys.path: let PYTHONPATH pick uptrain
+    wall = time.perf_counter() - t0
+    timing = json.loads((out / "uptrain_conversion.json").read_text()).get("timing_s", {})
+    shutil.rmtree(out)
+    return {"wall_s": wall, "peak_rss": int(child.stdout.strip().splitlines()[-1]), "timing_s": timing}
+
+
+def run_copy(src: Path, dst: Path) -> float:
+    read_all(src)
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync", "-f", str(dst)], check=True)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return wall
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", type=Path)
     p.add_argument("--kv-heads", type=int, required=True)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--work", type=Path, required=True, help="scratch folder (deleted at the end)")
+    p.add_argument("--layers", type=int, help="override num_hidden_layers (tensor shapes stay real)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", type=Path, required=True, help="scratch folder (deleted at the end unless --keep)")
+    p.add_argument("--keep", action="store_true", help="keep (and reuse) the source checkpoint")
+    p.add_argument("--no-verbose", action="store_true", help="for converters older than --verbose")
     args = p.parse_args()
-    src, out = args.work / "src", args.work / "out"
-    shutil.rmtree(args.work, ignore_errors=True)
-    t0 = time.perf_counter()
-    specs = write_random_checkpoint(args.config, src, DTYPES[args.dtype], "5GB")
-    t_make = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    # The child reports its own VmHWM: ru_maxrss of a forked child starts from the parent's RSS.
-    child = subprocess.run([sys.executable, "-c", CHILD, str(src), "--kv-heads", str(args.kv_heads),
-                            "--out", str(out)], check=True, stdout=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t0
-    print(child.stdout)
-    peak = int(child.stdout.strip().splitlines()[-1])
+    raw = json.loads(args.config.read_text())
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+    src, out, copy = args.work / "src", args.work / "out", args.work / "copy"
+    for leftover in (out, copy):
+        shutil.rmtree(leftover, ignore_errors=True)
+    stamp = json.dumps(raw | {"dtype": args.dtype}, sort_keys=True)
+    if not (src / "bench-source.json").is_file() or (src / "bench-source.json").read_text() != stamp:
+        shutil.rmtree(args.work, ignore_errors=True)
+        write_random_checkpoint(raw, src, DTYPES[args.dtype], "5GB")
+        (src / "bench-source.json").write_text(stamp)
+    specs = [s for s in (json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])]
     total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    largest = max(s.nbytes for s in specs)
-    shutil.rmtree(args.work)
-    print(json.dumps({"config": args.config.name, "kv_heads": args.kv_heads, "dtype": args.dtype,
-                      "checkpoint_bytes": total, "largest_tensor_bytes": largest, "convert_wall_s": round(wall, 1),
-                      "convert_peak_rss_bytes": peak, "make_checkpoint_s": round(t_make, 1),
-                      "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.python_version()}",
-                      "torch": torch.__version__}, indent=2))
+    converts, copies = [], []
+    for i in range(args.repeats):
+        if i % 2 == 0:
+            converts.append(run_convert(src, out, args.kv_heads, not args.no_verbose))
+            copies.append(run_copy(src, copy))
+        else:
+            copies.append(run_copy(src, copy))
+            converts.append(run_convert(src, out, args.kv_heads, not args.no_verbose))
+        print(f"round {i + 1}: convert {converts[-1]['wall_s']:.1f} s, copy {copies[-1]:.1f} s", flush=True)
+    if not args.keep:
+        shutil.rmtree(args.work)
+    conv = statistics.median(c["wall_s"] for c in converts)
+    cp = statistics.median(copies)
+    print(json.dumps({
+        "config": args.config.name, "layers": raw["num_hidden_layers"], "kv_heads": args.kv_heads,
+        "dtype": args.dtype, "tensors": len(specs), "checkpoint_bytes": total,
+        "convert_wall_s": [round(c["wall_s"], 2) for c in converts], "copy_wall_s": [round(c, 2) for c in copies],
+        "convert_median_s": round(conv, 2), "copy_median_s": round(cp, 2), "convert_over_copy": round(conv / cp, 2),
+        "convert_peak_rss_bytes": max(c["peak_rss"] for c in converts),
+        "convert_phases_s": [c["timing_s"] for c in converts],
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, "
+                   f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the end",
+        "torch": torch.__version__}, indent=2))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,21 @@ def test_pooling_keeps_dtype_and_computes_in_float32():
     torch.testing.assert_close(got, w.float().view(KV, G, HD, HIDDEN).mean(1).reshape(-1, HIDDEN).bfloat16())
 
 
+def test_pooling_leaves_its_input_untouched():
+    w = torch.randn(KV * G * HD, HIDDEN)
+    before = w.clone()
+    pool_heads(w, KV * G, KV)
+    assert torch.equal(w, before)
+
+
+def test_pooling_casts_once_to_the_requested_dtype():
+    w = torch.randn(KV * G * HD, HIDDEN).to(torch.bfloat16)
+    exact = w.float().view(KV, G, HD, HIDDEN).mean(1).reshape(-1, HIDDEN)
+    assert not torch.equal(exact, exact.bfloat16().float())
+    torch.testing.assert_close(pool_heads(w, KV * G, KV, dtype=torch.float32), exact, rtol=0, atol=0)
+    torch.testing.assert_close(pool_heads(w, KV * G, KV, dtype=torch.float16), exact.half(), rtol=0, atol=0)
+
+
 def test_repeat_heads_matches_transformers_repeat_kv_and_pools_back():
     k = torch.randn(KV * HD, HIDDEN)
     x = torch.randn(HIDDEN)

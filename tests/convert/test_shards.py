@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,18 +77,18 @@ def test_atomic_output_dir_leaves_nothing_on_failure_and_keeps_the_old_output(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_conversion_memory_stays_near_the_largest_tensor(tmp_path):
-    """Convert a 420 MB, 5-shard checkpoint; the converter's peak RSS grows by about one tensor."""
+MEMORY_CFG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=16, vocab_size=2048)
+LARGEST = 2816 * 1024 * 4  # one float32 MLP weight
+
+
+def peak_growth(src: Path, tmp_path: Path) -> int:
+    """Convert `src` in a fresh process; how far its peak RSS (VmHWM) rises over a warmed-up baseline."""
     from transformers import LlamaConfig
 
     from tiny import random_model, save
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                      num_key_value_heads=16, vocab_size=2048)
-    src = save(random_model(cfg), tmp_path / "src", max_shard_size="100MB")
     small = save(random_model(LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=16, vocab_size=64)), tmp_path / "small")
-    total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    largest = 2816 * 1024 * 4
     # VmHWM is this process's own peak: ru_maxrss of a forked child would start at pytest's RSS
     script = textwrap.dedent(f"""
         from pathlib import Path
@@ -101,7 +102,70 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path):
         print(peak() - base)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    growth = int(proc.stdout.strip().splitlines()[-1])
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def test_conversion_memory_stays_near_the_largest_tensor(tmp_path):
+    """Convert a 420 MB, 5-shard checkpoint; the converter's peak RSS grows by about one tensor."""
+    from transformers import LlamaConfig
+
+    from tiny import random_model, save
+    src = save(random_model(LlamaConfig(**MEMORY_CFG)), tmp_path / "src", max_shard_size="100MB")
+    total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    growth = peak_growth(src, tmp_path)
     assert total > 400e6 and len(list((tmp_path / "out").glob("*.safetensors"))) > 3
-    assert growth < 3 * largest + 32 * 2**20, f"peak RSS grew {growth / 2**20:.0f} MiB; largest tensor " \
-                                              f"{largest / 2**20:.0f} MiB, checkpoint {total / 2**20:.0f} MiB"
+    assert growth < 3 * LARGEST + 32 * 2**20, f"peak RSS grew {growth / 2**20:.0f} MiB; largest tensor " \
+                                              f"{LARGEST / 2**20:.0f} MiB, checkpoint {total / 2**20:.0f} MiB"
+
+
+def test_bin_conversion_memory_stays_near_the_largest_tensor(tmp_path):
+    """The same bound for a 420 MB checkpoint in 5 `.bin` files (pytorch_model.bin.index.json)."""
+    from transformers import LlamaConfig
+
+    from tiny import random_model
+    model = random_model(LlamaConfig(**MEMORY_CFG))
+    src = tmp_path / "src"
+    src.mkdir()
+    model.config.save_pretrained(src)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    del model
+    names = list(state)
+    files, weight_map = 5, {}
+    for i in range(files):
+        file = f"pytorch_model-{i + 1:05d}-of-{files:05d}.bin"
+        part = {n: state[n] for n in names[i * len(names) // files:(i + 1) * len(names) // files]}
+        torch.save(part, src / file)
+        weight_map |= dict.fromkeys(part, file)
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    total = sum(f.stat().st_size for f in src.glob("*.bin"))
+    del state, part
+    growth = peak_growth(src, tmp_path)
+    assert total > 400e6 and len(list((tmp_path / "out").glob("*.safetensors"))) > 3
+    assert growth < 3 * LARGEST + 32 * 2**20, f"peak RSS grew {growth / 2**20:.0f} MiB; largest tensor " \
+                                              f"{LARGEST / 2**20:.0f} MiB, checkpoint {total / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("available", [("copy_file_range", "sendfile"), ("sendfile",), ()])
+def test_copy_range_by_every_path(tmp_path, monkeypatch, available):
+    """The kernel copy, sendfile and the portable read/write loop append the same bytes."""
+    import os
+
+    from uptrain.convert import shards
+    for name in ("copy_file_range", "sendfile"):
+        if name not in available and hasattr(os, name):
+            monkeypatch.delattr(os, name)
+    monkeypatch.setattr(shards, "_CHUNK", 4096)  # several calls per range
+    data = os.urandom(50_000)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(dst, b"head")
+        shards.copy_range(src, dst, 123, 30_000)
+        shards.copy_range(src, dst, 0, 5)
+        with pytest.raises(OSError, match="early"):
+            shards.copy_range(src, dst, 49_990, 20)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert (tmp_path / "dst").read_bytes()[:30_009] == b"head" + data[123:30_123] + data[:5]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tiny import load, logits
@@ -51,12 +52,13 @@ def test_hub_id_not_cached_says_so_and_suggests_a_local_path(mha8, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_bin_checkpoint_is_read_with_weights_only(mha8, gqa4, tmp_path):
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_bin_checkpoint_is_read_with_weights_only(mha8, gqa4, tmp_path, zip_format):
     src = tmp_path / "bin"
     shutil.copytree(mha8, src)
     state = load(mha8).state_dict()
     state.pop("lm_head.weight")  # tied, as save_pretrained leaves it out
-    torch.save(state, src / "pytorch_model.bin")
+    torch.save(state, src / "pytorch_model.bin", _use_new_zipfile_serialization=zip_format)
     (src / "model.safetensors").unlink()
     assert open_checkpoint(src).format == "bin"
     assert main([str(src), "--kv-heads", "4", "--out", str(tmp_path / "out")]) == 0

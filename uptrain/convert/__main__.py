@@ -12,7 +12,7 @@ from pathlib import Path
 
 from uptrain.convert.heads import METHODS
 from uptrain.convert.pipeline import prepare, write_converted
-from uptrain.convert.plan import format_plan
+from uptrain.convert.plan import format_plan, format_timing
 from uptrain.convert.shards import check_output_path
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPES, parse_size
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("--verbose", action="store_true", help="print the time of each phase (also in the record)")
     return p
 
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"(nothing was left behind)") from err
         raise
     print(f"wrote {args.out}")
+    if args.verbose:
+        print(f"time: {format_timing(plan)}")
     return 0
 
 

@@ -26,18 +26,27 @@ def _group_view(t: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return t.reshape(groups, heads // groups, t.shape[0] // heads, *t.shape[1:])
 
 
-def pool_heads(t: torch.Tensor, heads: int, groups: int, method: Method = "mean") -> torch.Tensor:
+def pool_heads(t: torch.Tensor, heads: int, groups: int, method: Method = "mean",
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     """Merge each run of heads // groups contiguous heads into one head.
 
-    t: [heads * u, *rest] -> [groups * u, *rest], same dtype. "mean" averages the group in
-    float32 (the paper's method); "first" keeps the group's first head. ("random" is not a
-    pooling: see `random_heads`.)
+    t: [heads * u, *rest] -> [groups * u, *rest] in `dtype` (default: t's dtype). "mean" (the
+    paper's method) adds the g = heads // groups heads of every group into a float32 accumulator
+    [groups, u, *rest] (the output's size, not a float32 copy of the whole input), one head
+    position at a time (g whole-tensor operations, so few thread synchronisations), and casts
+    the means once, straight to `dtype`: no intermediate rounding to t's dtype. "first" keeps
+    the group's first head. ("random" is not a pooling: see `random_heads`.)
     """
     grouped = _group_view(t, heads, groups)
-    if method == "mean":
-        merged = grouped.float().mean(dim=1).to(t.dtype)
-    elif method == "first":
-        merged = grouped[:, 0]
+    out_dtype = dtype or t.dtype
+    if method == "first":
+        merged = grouped[:, 0].to(out_dtype)
+    elif method == "mean":
+        g = grouped.shape[1]
+        acc = grouped[:, 0].to(torch.float32, copy=True)
+        for j in range(1, g):
+            acc.add_(grouped[:, j])
+        merged = acc.div_(g).to(out_dtype)
     else:
         raise ValueError(f"pool_heads takes 'mean' or 'first', not {method!r}")
     return merged.reshape(groups * grouped.shape[2], *t.shape[1:]).contiguous()

@@ -7,19 +7,24 @@ beside DIR, which is renamed to DIR only when everything is written.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from uptrain.convert.architectures import family_for
-from uptrain.convert.source import SourceCheckpoint, auxiliary_files, open_checkpoint, resolve_source
+from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, hub_model_id, open_checkpoint,
+                                    resolve_source)
 from uptrain.errors import UsageError
 from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_config
-from uptrain.convert.modelcard import render_model_card
+from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, plan_conversion
 from uptrain.convert.heads import divisors
-from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path
+from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path, sync_tree
 from uptrain.units import parse_size
 from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
 
@@ -34,6 +39,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     allow_expand: also accept more K/V heads than the source has (each head repeated in place,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
     """
+    start = time.perf_counter()
     source = open_checkpoint(resolve_source(checkpoint, revision))
     family = family_for(load_hf_config(source.config).to_dict() | source.config)
     cfg = load_hf_config(source.config)
@@ -60,22 +66,74 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     plan = plan_conversion(checkpoint, revision, source.config, family, dims, kv_heads, method, seed,
                      sum(i.numel for i in source.tensors), outputs, kv_dtype)
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
+    plan.timing_s["plan"] = time.perf_counter() - start
     return source, plan, outputs, new_config
+
+
+class Phases:
+    """Seconds spent per phase, summed over calls: `with phases("read"): ...`."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _write_tensors(source: SourceCheckpoint, outputs: list[OutputTensor], writer: ShardWriter,
+                   phases: Phases) -> None:
+    """Unchanged safetensors tensors are copied as bytes (kernel to kernel); the rest are built
+    from their source tensors (read, then pool) and written."""
+    fds: dict[Path, int] = {}
+    try:
+        for output in outputs:
+            info = output.sources[0]
+            if output.unchanged and info.offset is not None:
+                with phases("copy"):
+                    if info.file not in fds:
+                        fds[info.file] = os.open(info.file, os.O_RDONLY)
+                    writer.copy(output.spec, fds[info.file], info.offset)
+                continue
+            with phases("read"):
+                tensors = [source.read(s) for s in output.sources]
+            with phases("pool"):
+                tensor = output.make(tensors).to(output.spec.dtype)
+            with phases("write"):
+                writer.write(output.spec.name, tensor)
+            del tensors, tensor
+        writer.close()
+    finally:
+        writer.release()
+        for fd in fds.values():
+            os.close(fd)
 
 
 def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: list[OutputTensor],
                     new_config: dict, out: Path, max_shard_bytes: int) -> None:
-    """Stream the outputs into `out` (all or nothing) with config, tokenizer files, card and record."""
+    """Stream the outputs into `out` (all or nothing) with config, tokenizer files, card and record.
+
+    Phase times (seconds) go into `plan.timing_s` and the record: plan, copy (unchanged tensors,
+    byte ranges moved by the kernel), read (opening source tensors: safetensors are mapped, so
+    their pages are read in during pool), pool, write, fsync (all files made durable).
+    """
+    phases = Phases(plan.timing_s)
     with atomic_output_dir(out) as tmp:
-        writer = ShardWriter(tmp, [o.spec for o in outputs], max_shard_bytes)
-        for output in outputs:
-            tensor = output.make([source.read(s) for s in output.sources])
-            writer.write(output.spec.name, tensor.to(output.spec.dtype))
-        writer.close()
-        for path in auxiliary_files(source.path):
-            shutil.copyfile(path, tmp / path.name)
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
-        (tmp / "README.md").write_text(render_model_card(plan))
+        _write_tensors(source, outputs, ShardWriter(tmp, [o.spec for o in outputs], max_shard_bytes), phases)
+        with phases("write"):
+            for path in auxiliary_files(source.path):
+                shutil.copyfile(path, tmp / path.name)
+            (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+            card = render_model_card(plan, source_card_metadata(source.path / "README.md"),
+                                     hub_model_id(plan.source, source.path))
+            (tmp / "README.md").write_text(card, encoding="utf-8")
+        with phases("fsync"):  # the weights; the record below is synced with the folder on exit
+            sync_tree(tmp)
+        plan.timing_s = {k: round(v, 3) for k, v in plan.timing_s.items()}
         (tmp / RECORD_FILE).write_text(json.dumps(plan.record(), indent=2, default=str) + "\n")
 
 

@@ -34,6 +34,8 @@ class ConversionPlan:
     max_context: int | None
     notes: list[str] = field(default_factory=list)
     revision: str | None = None
+    cache_shrinks: bool = True  # False: transformers' cache for this type keeps K/V of every query head
+    timing_s: dict[str, float] = field(default_factory=dict)  # seconds per phase of the conversion
 
     @property
     def group_size(self) -> int:
@@ -70,7 +72,14 @@ def plan_conversion(source: str, revision: str | None, config: dict[str, Any], f
         new_kv_heads=new_kv, method=method, seed=seed, dtype=str(kv_dtype).removeprefix("torch."),
         params_before=source_params, params_after=sum(o.spec.numel for o in outputs),
         kv_bytes_per_token_before=before, kv_bytes_per_token_after=after,
-        max_context=config.get("max_position_embeddings") or config.get("n_positions"), notes=notes)
+        max_context=config.get("max_position_embeddings") or config.get("n_positions"), notes=notes,
+        cache_shrinks=family.cache_shrinks)
+
+
+def format_timing(plan: ConversionPlan) -> str:
+    """One line of phase times: 'plan 0.41 s, copy 12.0 s, ... total 30.2 s'."""
+    t = plan.timing_s
+    return ", ".join(f"{k} {v:.2f} s" for k, v in t.items()) + f"; total {sum(t.values()):.2f} s"
 
 
 def human_bytes(n: float) -> str:
@@ -80,6 +89,13 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def cache_change(plan: ConversionPlan) -> str:
+    """'4.0x smaller', or why the cache does not shrink for this model type."""
+    if not plan.cache_shrinks:
+        return "does not shrink in transformers: its cache for this type stores K/V for every query head"
+    return f"{plan.kv_reduction:.1f}x smaller"
 
 
 def format_plan(plan: ConversionPlan) -> str:
@@ -96,7 +112,7 @@ def format_plan(plan: ConversionPlan) -> str:
                        f"({plan.params_after - plan.params_before:+,})"),
         ("KV cache / token", f"{human_bytes(plan.kv_bytes_per_token_before)} -> "
                              f"{human_bytes(plan.kv_bytes_per_token_after)} ({plan.dtype}, "
-                             f"{plan.kv_reduction:.1f}x smaller)"),
+                             f"{cache_change(plan)})"),
     ]
     if plan.max_context:
         rows.append((f"KV cache @ {plan.max_context} tok",

@@ -9,6 +9,7 @@ read back by `safetensors.safe_open` in the tests.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -23,6 +24,46 @@ from uptrain.convert.source import SAFE_INDEX, SAFETENSORS_DTYPES, TensorSpec
 from uptrain.errors import UsageError
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+_CHUNK = 64 * 2**20  # bytes per system call: write() caps one call below 2 GiB on Linux
+# copy_file_range/sendfile errors that mean "not between these files", not "failed": fall back
+_NO_FAST_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.ETXTBSY}
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of `data` to `fd` (os.write may write fewer bytes than asked)."""
+    data = data.cast("B")
+    while data:
+        data = data[os.write(fd, data[:_CHUNK]):]
+
+
+def copy_range(src_fd: int, dst_fd: int, offset: int, nbytes: int) -> None:
+    """Append `nbytes` of `src_fd` from `offset` to `dst_fd`, without passing them through Python.
+
+    os.copy_file_range (Linux >= 4.5; the kernel copies, or shares blocks on CoW filesystems),
+    else os.sendfile (Linux), else pread/write in 64 MiB chunks (any platform).
+    """
+    done = 0
+    for fast in ("copy_file_range", "sendfile"):
+        if not hasattr(os, fast):
+            continue
+        try:
+            while done < nbytes:
+                n = (os.copy_file_range(src_fd, dst_fd, min(nbytes - done, _CHUNK), offset + done)
+                     if fast == "copy_file_range" else
+                     os.sendfile(dst_fd, src_fd, offset + done, min(nbytes - done, _CHUNK)))
+                if n == 0:
+                    raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
+                done += n
+            return
+        except OSError as err:
+            if err.errno not in _NO_FAST_COPY:
+                raise
+    while done < nbytes:
+        chunk = os.pread(src_fd, min(nbytes - done, _CHUNK), offset + done)
+        if not chunk:
+            raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
+        write_all(dst_fd, memoryview(chunk))
+        done += len(chunk)
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -41,7 +82,8 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 class ShardWriter:
     """Streams tensors into pre-planned safetensors shards and writes the HF index at the end.
 
-    Call `write` once per planned tensor, in plan order; `close` checks that all were written.
+    Call `write` (a tensor) or `copy` (its bytes from another file) once per planned tensor, in
+    plan order; `close` checks that all were written.
     """
 
     def __init__(self, folder: Path, specs: list[TensorSpec], max_shard_bytes: int,
@@ -54,12 +96,13 @@ class ShardWriter:
                            for i in range(n)]
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._position = 0
-        self._handle = None
+        self._fd: int | None = None
         self._open_shard = -1
 
     def _start_shard(self, index: int) -> None:
-        if self._handle:
-            self._handle.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         header: dict[str, object] = {"__metadata__": self.metadata}
         offset = 0
         for spec in self.shards[index]:
@@ -68,31 +111,45 @@ class ShardWriter:
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        self._handle = open(self.folder / self.file_names[index], "wb")
-        self._handle.write(len(raw).to_bytes(8, "little"))
-        self._handle.write(raw)
+        self._fd = os.open(self.folder / self.file_names[index], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_all(self._fd, memoryview(len(raw).to_bytes(8, "little") + raw))
         self._open_shard = index
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append the next planned tensor; its name, shape and dtype must match the plan."""
+    def _next(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Check the next planned tensor against (name, shape, dtype) and open its shard."""
         shard, spec = self._queue[self._position]
-        if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
-            raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the "
+        if (name, shape, dtype) != (spec.name, spec.shape, spec.dtype):
+            raise RuntimeError(f"tensor {name} {shape} {dtype} does not match the "
                                f"plan {spec.name} {spec.shape} {spec.dtype}")
         if shard != self._open_shard:
             self._start_shard(shard)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next planned tensor; its name, shape and dtype must match the plan."""
+        self._next(name, tuple(tensor.shape), tensor.dtype)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._handle.write(memoryview(data))
+        write_all(self._fd, memoryview(data))
         self._position += 1
+
+    def copy(self, spec: TensorSpec, src_fd: int, offset: int) -> None:
+        """Append the next planned tensor as `spec.nbytes` raw bytes of `src_fd` from `offset`."""
+        self._next(spec.name, spec.shape, spec.dtype)
+        copy_range(src_fd, self._fd, offset, spec.nbytes)
+        self._position += 1
+
+    def release(self) -> None:
+        """Close the open shard file, if any, without finishing (after an error)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def close(self) -> None:
         """Finish the last shard and write `model.safetensors.index.json`."""
         if self._position != len(self._queue):
             raise RuntimeError(f"wrote {self._position} of {len(self._queue)} planned tensors")
-        if self._handle:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
+        if self._fd is not None:  # made durable by `atomic_output_dir`, which syncs every file it holds
+            os.close(self._fd)
+            self._fd = None
         weight_map = {spec.name: self.file_names[i] for i, spec in self._queue}
         total = sum(spec.nbytes for _, spec in self._queue)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -130,6 +187,36 @@ def remove_stale_partials(out: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's data and metadata to the disk.
+
+    Folders cannot be opened for fsync on Windows; there the folder step is skipped (NTFS
+    journals the rename itself).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) * path.is_dir()
+    try:
+        fd = os.open(path, flags)
+    except (IsADirectoryError, PermissionError):
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder, deepest first, `folder` last."""
+    folders = []
+    for root, _, names in os.walk(folder):
+        folders.append(Path(root))
+        for name in names:
+            fsync_path(Path(root) / name)
+    for sub in reversed(folders):
+        fsync_path(sub)
+
+
 @contextmanager
 def atomic_output_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; rename it to `out` only if the block completes.
@@ -137,7 +224,9 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     On any error (disk full, a bad tensor, Ctrl-C) the temporary folder is removed and `out`
     is untouched. An existing `out` is swapped out only after the new one is complete. A run
     killed outright (SIGKILL) leaves only a hidden `.NAME.partial-PID-*` folder, which the next
-    run for the same output removes.
+    run for the same output removes. Across a power loss too: every file and the folder are
+    fsynced before the rename, and the parent folder after it, so after a crash `out` is either
+    the old state or the complete new folder.
     """
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -149,10 +238,16 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        sync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
         out.rename(old)
     tmp.rename(out)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 Only metadata is read up front (names, shapes, dtypes from safetensors headers). `read` loads a
 single tensor, so converting never holds the whole model. `.bin` files are read only through
-`torch.load(weights_only=True)` (no pickled code runs) and only when no safetensors exist.
+`torch.load(weights_only=True, mmap=True)` (no pickled code runs; one file mapped at a time) and
+only when no safetensors exist.
 """
 
 from __future__ import annotations
@@ -52,9 +53,23 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class TensorInfo(TensorSpec):
-    """A source tensor's metadata and the file holding it."""
+    """A source tensor's metadata and the file holding it; for safetensors also where its bytes are."""
 
     file: Path = Path()
+    offset: int | None = None  # byte offset of the raw data in `file` (safetensors), else None
+
+
+BIN_REMAP_BYTES = 32 * 2**20
+
+
+@dataclass
+class _BinMapping:
+    """One memory-mapped `.bin` file and how many bytes were read through this mapping."""
+
+    file: Path
+    tensors: dict[str, torch.Tensor]
+    mapped: bool  # False: a legacy (non-zip) file, loaded whole; kept until the next file
+    read_bytes: int = 0
 
 
 @dataclass
@@ -65,10 +80,12 @@ class SourceCheckpoint:
     config: dict[str, Any]
     format: Literal["safetensors", "bin"]
     tensors: list[TensorInfo]
-    _bin_cache: tuple[Path, dict[str, torch.Tensor]] | None = field(default=None, repr=False)
+    _bin_map: _BinMapping | None = field(default=None, repr=False)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
-        """Load one tensor. Safetensors files are opened per tensor so no mapping outlives it."""
+        """Load one tensor. Safetensors files are opened per tensor so no mapping outlives it;
+        `.bin` files are memory-mapped one at a time and re-mapped every `BIN_REMAP_BYTES` read,
+        so the mapped pages that count in this process's RSS stay near one tensor too."""
         if self.format == "safetensors":
             try:
                 with safe_open(info.file, framework="pt") as f:
@@ -76,9 +93,13 @@ class SourceCheckpoint:
             except SafetensorError as err:
                 raise UsageError(f"cannot read {info.name} from {info.file.name}: {err}; "
                                  f"the file is truncated or corrupted, download it again") from err
-        if self._bin_cache is None or self._bin_cache[0] != info.file:
-            self._bin_cache = (info.file, _load_bin(info.file))
-        return self._bin_cache[1][info.name]
+        mapping = self._bin_map
+        if (mapping is None or mapping.file != info.file
+                or (mapping.mapped and mapping.read_bytes + info.nbytes > BIN_REMAP_BYTES)):
+            self._bin_map = None  # unmapped once the caller drops the tensors it was given
+            mapping = self._bin_map = _BinMapping(info.file, *_load_bin(info.file))
+        mapping.read_bytes += info.nbytes
+        return mapping.tensors[info.name]
 
 
 def resolve_source(ckpt: str, revision: str | None = None) -> Path:
@@ -111,11 +132,23 @@ def resolve_source(ckpt: str, revision: str | None = None) -> Path:
     return folder
 
 
-def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+def hub_model_id(ckpt: str, folder: Path) -> str | None:
+    """The Hub id of a source: `ckpt` itself when it was resolved on the Hub, or the id of a
+    huggingface_hub cache snapshot folder (.../models--ORG--NAME/snapshots/REV); else None."""
+    if not Path(ckpt).expanduser().exists():
+        return ckpt
+    parts = folder.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return None
+
+
+def _load_bin(file: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """A `.bin` state dict, memory-mapped (True) or, for legacy non-zip files, loaded whole (False)."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), True
     except RuntimeError:  # legacy (non-zip) .bin files cannot be memory-mapped
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True), False
     except Exception as err:  # unpickling refused or corrupt archive
         raise UsageError(f"cannot read {file.name} safely ({type(err).__name__}); "
                          f"convert it to safetensors first") from err
@@ -138,17 +171,31 @@ def _indexed_files(folder: Path, index_name: str) -> dict[str, Path]:
     return files
 
 
+def _data_offsets(file: Path) -> dict[str, int]:
+    """tensor name -> absolute byte offset of its data, from the safetensors header.
+
+    The file is `u64 header length | JSON header | data`; `data_offsets` count from the data start.
+    Called after `safe_open` has validated the header (offsets within the file, no overlaps).
+    """
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) -> list[TensorInfo]:
     infos: list[TensorInfo] = []
     wanted = None if name_to_file is None else set(name_to_file)
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
+                offsets = _data_offsets(file)
                 for name in f.keys():
                     if wanted is not None and name_to_file.get(name) != file.resolve():
                         continue
                     s = f.get_slice(name)
-                    infos.append(TensorInfo(name, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()], file))
+                    infos.append(TensorInfo(name, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()], file,
+                                            offsets[name]))
         except SafetensorError as err:
             raise UsageError(f"{file.name} is not a readable safetensors file ({err}); "
                              f"it is truncated or corrupted, download it again") from err
@@ -183,8 +230,9 @@ def open_checkpoint(folder: Path) -> SourceCheckpoint:
     if not bin_files:
         raise UsageError(f"{folder} has no weights (*.safetensors or pytorch_model*.bin); "
                          f"download the weight files too")
-    infos = [TensorInfo(name, tuple(t.shape), t.dtype, file)
-             for file in bin_files for name, t in _load_bin(file).items()]
+    infos: list[TensorInfo] = []
+    for file in bin_files:  # one file mapped at a time; only shapes are read, no tensor data
+        infos += [TensorInfo(name, tuple(t.shape), t.dtype, file) for name, t in _load_bin(file)[0].items()]
     return SourceCheckpoint(folder, config, "bin", infos)
 
 

@@ -42,20 +42,25 @@ class HeadChange:
 
 @dataclass(frozen=True)
 class OutputTensor:
-    """One output tensor: its spec, the source tensors it is made from, and how."""
+    """One output tensor: its spec, the source tensors it is made from, and how.
+
+    unchanged: the output is its one source, byte for byte (same name, shape and dtype), so a
+    writer may copy the bytes without building a tensor.
+    """
 
     spec: TensorSpec
     sources: tuple[TensorInfo, ...]
     make: Callable[[list[torch.Tensor]], torch.Tensor]
+    unchanged: bool = False
 
 
-def _change_rows(t: torch.Tensor, old: int, new: int, method: Method) -> torch.Tensor:
-    """[old * u, *rest] -> [new * u, *rest]: pool runs of heads, or repeat heads in place."""
+def _change_rows(t: torch.Tensor, old: int, new: int, method: Method, dtype: torch.dtype) -> torch.Tensor:
+    """[old * u, *rest] -> [new * u, *rest] in `dtype`: pool runs of heads, or repeat heads in place."""
     if new == old:
-        return t
+        return t.to(dtype)
     if new > old:
-        return repeat_heads(t, old, new)
-    return pool_heads(t, old, new, "first" if method == "first" else "mean")
+        return repeat_heads(t, old, new).to(dtype)
+    return pool_heads(t, old, new, "first" if method == "first" else "mean", dtype)
 
 
 class _Maker:
@@ -65,18 +70,19 @@ class _Maker:
         self.change = change
         self.generator = torch.Generator().manual_seed(change.seed)
 
-    def _kv(self, t: torch.Tensor, is_norm: bool, is_bias: bool) -> torch.Tensor:
+    def _kv(self, t: torch.Tensor, is_norm: bool, is_bias: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The changed K/V rows, computed from `t` and cast once, to the output `dtype`."""
         c = self.change
         old, new = c.dims.kv_heads, c.new_kv_heads
         if c.method == "random" and not is_norm and new < old:
             shape = (t.shape[0] * new // old, *t.shape[1:])
-            return random_heads(shape, t.dtype, c.init_std, self.generator, is_bias)
-        return _change_rows(t, old, new, c.method)
+            return random_heads(shape, dtype, c.init_std, self.generator, is_bias)
+        return _change_rows(t, old, new, c.method, dtype)
 
-    def heads(self, rule: KVTensor, name: str) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-        return lambda ts: self._kv(ts[0], rule.is_norm, name.endswith(".bias"))
+    def heads(self, rule: KVTensor, name: str, dtype: torch.dtype) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        return lambda ts: self._kv(ts[0], rule.is_norm, name.endswith(".bias"), dtype)
 
-    def qkv(self, name: str) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def qkv(self, name: str, dtype: torch.dtype) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         d, c = self.change.dims, self.change
         src_layout, dst_layout = c.family.qkv_layout
 
@@ -85,13 +91,15 @@ class _Maker:
                 return ts[0]
             q, k, v = split_qkv(ts[0], src_layout, d.heads, d.kv_heads, d.head_dim)
             is_bias = name.endswith(".bias")
-            return merge_qkv(q, self._kv(k, False, is_bias), self._kv(v, False, is_bias), dst_layout, d.head_dim)
+            return merge_qkv(q.to(dtype), self._kv(k, False, is_bias, dtype), self._kv(v, False, is_bias, dtype),
+                             dst_layout, d.head_dim)
         return make
 
-    def head_list(self) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def head_list(self, dtype: torch.dtype) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         # Sources are the g norms of one group (pool) or the one norm a new head copies (repeat).
         method = "first" if self.change.method == "first" else "mean"
-        return lambda ts: ts[0].clone() if len(ts) == 1 else pool_heads(torch.stack(ts), len(ts), 1, method)[0]
+        return lambda ts: (ts[0].to(dtype, copy=True) if len(ts) == 1
+                           else pool_heads(torch.stack(ts), len(ts), 1, method, dtype)[0])
 
 
 def _expected_rows(rule: KVTensor, info: TensorInfo, change: HeadChange) -> list[int]:
@@ -124,7 +132,7 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
         out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
         spec = TensorSpec(info.name, info.shape, out_dtype)
         if found is None:
-            outputs.append(OutputTensor(spec, (info,), lambda ts: ts[0]))
+            outputs.append(OutputTensor(spec, (info,), lambda ts: ts[0], unchanged=out_dtype == info.dtype))
             continue
         rule, match = found
         if rule.kind == "head_list":
@@ -140,11 +148,12 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
             projection_layers.add(_layer_of(info.name))
         if rule.kind == "qkv":
             new_rows = (d.heads + 2 * new) * d.head_dim
-            make = maker.qkv(info.name)
+            make = maker.qkv(info.name, out_dtype)
         else:
             new_rows = rows * new // d.kv_heads
-            make = maker.heads(rule, info.name)
-        outputs.append(OutputTensor(replace(spec, shape=(new_rows, *info.shape[1:])), (info,), make))
+            make = maker.heads(rule, info.name, out_dtype)
+        outputs.append(OutputTensor(replace(spec, shape=(new_rows, *info.shape[1:])), (info,), make,
+                                    unchanged=new == d.kv_heads and out_dtype == info.dtype))
     if len(projection_layers) != d.layers:
         raise UsageError(
             f"found K/V projections in {len(projection_layers)} of {d.layers} layers for model type "
@@ -167,7 +176,7 @@ def _head_list_outputs(info: TensorInfo, match, change: HeadChange, by_name: dic
         return f"{info.name[:start]}{k}{info.name[end:]}"
     if new >= old:  # repeat: source head j becomes heads j*r ... (j+1)*r - 1
         r = new // old
-        return [OutputTensor(TensorSpec(named(j * r + i), info.shape, out_dtype), (info,), maker.head_list())
+        return [OutputTensor(TensorSpec(named(j * r + i), info.shape, out_dtype), (info,), maker.head_list(out_dtype))
                 for i in range(r)]
     g = old // new
     if j % g:  # not the first head of its group: produced with the group's first member
@@ -176,4 +185,4 @@ def _head_list_outputs(info: TensorInfo, match, change: HeadChange, by_name: dic
         members = tuple(by_name[named(k)] for k in range(j, j + g))
     except KeyError as err:
         raise UsageError(f"per-head tensor {err.args[0]} is missing; the checkpoint is incomplete") from None
-    return [OutputTensor(TensorSpec(named(j // g), info.shape, out_dtype), members, maker.head_list())]
+    return [OutputTensor(TensorSpec(named(j // g), info.shape, out_dtype), members, maker.head_list(out_dtype))]
