@@ -8,7 +8,13 @@ _METHODS = {
     "mean": "mean-pooling the K/V projection heads of each group of query heads (the GQA paper's method)",
     "first": "keeping the first K/V head of each group (the GQA paper's 'first' ablation)",
     "random": "re-initialising the K/V projections at random (the GQA paper's 'random' ablation)",
+    "fit": "a least-squares fit of one K/V head per group, with per-head key scales folded into the query "
+           "projection and the output projection refitted (uptrain's `--method fit`)",
 }
+
+
+_UNCHANGED = "Query and output projections are unchanged."
+_CHANGED = "Query and output projections are changed too (head order and/or fitted compensation)."
 
 
 def render_model_card(plan: ConversionPlan) -> str:
@@ -22,7 +28,7 @@ tags: [gqa, uptrain]
 
 Converted by uptrain {plan.record()['uptrain_version']} from `{plan.source}`
 by {_METHODS[plan.method]}: {d.heads} query heads share {plan.new_kv_heads} K/V heads
-(was {d.kv_heads}) in each of {d.layers} layers. Query and output projections are unchanged.
+(was {d.kv_heads}) in each of {d.layers} layers. {_UNCHANGED if plan.method != "fit" and plan.grouping == "contiguous" else _CHANGED}
 KV cache per token: {plan.kv_reduction:.1f}x smaller.
 
 ```
