@@ -38,7 +38,7 @@ def head_similarity(wk: torch.Tensor, wv: torch.Tensor, sigma: torch.Tensor, ali
         w = (weight[:, None, :] * weight[None, :, :]).sqrt()
         sim_k = (inner * w).sum(2) / w.sum(2).clamp_min(1e-30)
         basis = torch.linalg.qr(v.transpose(1, 2)).Q  # [H, D, hd]: orthonormal basis of each value row space
-        sim_v = torch.einsum("idr,jds->ijrs", basis.transpose(1, 2), basis).pow(2).sum((2, 3)) / v.shape[1]
+        sim_v = torch.einsum("idr,jds->ijrs", basis, basis).pow(2).sum((2, 3)) / v.shape[1]
     else:
         kf = k.flatten(1)
         vf = v.flatten(1)
