@@ -1,0 +1,73 @@
+"""Measure conversion methods at alpha = 0 (no uptraining) and write results/conversion-methods.md.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py [--only stories|reference]
+
+Part 1, stories260K-mha8 (examples/): kv 2 and 1, scored on examples/data/tinystories-valid-sample.txt
+(512-token windows, stride 256, as the README's demo table); fit+calib calibrated on the first 16,384
+tokens of examples/data/tinystories-train-sample.txt.
+Part 2, results/paper/reference-mha8: kv 4, 2 and 1, mean / fit / fit+calib with contiguous grouping
+only (time: the machine is 2 shared CPU cores), scored on the first DOCS documents of the paper
+reproduction's held-out split (complete Shakespeare + KJV, last 5% of each, scripts/paper/prepare.py;
+each document about 2,000 characters), 256-token windows, stride 192 (as scripts/paper/run.py);
+fit+calib calibrated on the first 16,384 tokens of its train split.
+Everything is deterministic (no sampling; grouping and fit are deterministic): seed not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "paper"))
+
+from uptrain.measure.methods import VARIANTS, compare_methods, markdown  # noqa: E402
+
+SHARED = REPO.parent / "shared" / "data"
+DOCS = 12
+
+
+def stories():
+    texts = [t for t in (REPO / "examples/data/tinystories-valid-sample.txt").read_text().splitlines() if t.strip()]
+    return compare_methods(str(REPO / "examples/stories260K-mha8"), [2, 1], texts, 512, 256,
+                           REPO / "examples/data/tinystories-train-sample.txt", 16384)
+
+
+def reference(tmp: Path):
+    from prepare import split_corpora  # scripts/paper/prepare.py: the paper reproduction's split
+    split_corpora(SHARED / "corpora", tmp, val_share=0.05)
+    texts = [json.loads(line)["text"] for line in (tmp / "val.jsonl").read_text().splitlines()][:DOCS]
+    variants = tuple(v for v in VARIANTS if v[0] != "first")
+    return compare_methods(str(REPO / "results/paper/reference-mha8"), [4, 2, 1], texts, 256, 192,
+                           tmp / "train.jsonl", 16384, variants=variants, groupings=("contiguous",))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=["stories", "reference"])
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    out = REPO / "results"
+    parts = {}
+    if args.only in (None, "stories"):
+        parts["stories"] = stories()
+    if args.only in (None, "reference"):
+        with tempfile.TemporaryDirectory() as tmp:
+            parts["reference"] = reference(Path(tmp))
+    for name, (source, rows) in parts.items():
+        (out / f"conversion-methods-{name}.json").write_text(json.dumps(
+            {"original": source, "rows": [r.__dict__ for r in rows],
+             "machine": f"2 CPU cores, shared with other jobs ({platform.machine()})",
+             "torch": torch.__version__}, indent=2) + "\n")
+        print(f"\n## {name}\n\n{markdown(source, rows)}")
+
+
+if __name__ == "__main__":
+    main()
