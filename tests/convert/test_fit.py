@@ -154,6 +154,68 @@ def test_fit_recovers_heads_that_differ_by_rope_safe_transforms(tmp_path, one_to
     assert mean_diff > 0.1
 
 
+def _rope_safe_variants(state: dict, layers: int, heads: int, kv: int, hd: int, interleaved: bool, seed: int = 0) -> dict:
+    """The same construction on any separate-q/k/v state dict, biases included (k bias scaled like
+    the key rows, q bias divided like the query rows, v bias mixed like the value rows)."""
+    g = heads // kv
+    gen = torch.Generator().manual_seed(seed)
+    first, second = ((torch.arange(0, hd, 2), torch.arange(1, hd, 2)) if interleaved
+                     else (torch.arange(hd // 2), torch.arange(hd // 2, hd)))
+    state = dict(state)
+    for layer in range(layers):
+        p = f"model.layers.{layer}.self_attn."
+        def aug(x):  # [rows, d (+1 bias column)]
+            w, b = state[p + f"{x}_proj.weight"].double(), state.get(p + f"{x}_proj.bias")
+            return w if b is None else torch.cat([w, b.double()[:, None]], dim=1)
+        aug = {x: aug(x) for x in "qkv"}
+        q, k, v = aug["q"].view(heads, hd, -1).clone(), aug["k"].view(kv, hd, -1), aug["v"].view(kv, hd, -1)
+        o = state[p + "o_proj.weight"].double().view(-1, heads, hd).clone()
+        new_k, new_v = torch.empty(heads, hd, k.shape[2], dtype=torch.float64), torch.empty(heads, hd, v.shape[2], dtype=torch.float64)
+        for h in range(heads):
+            j = h // g
+            s = torch.complex(torch.randn(len(first), generator=gen).double(), torch.randn(len(first), generator=gen).double())
+            kc = torch.complex(k[j][first], k[j][second]) * s[:, None]
+            new_k[h][first], new_k[h][second] = kc.real, kc.imag
+            qc = torch.complex(q[h][first], q[h][second]) / s.conj()[:, None]
+            q[h][first], q[h][second] = qc.real, qc.imag
+            rot = torch.linalg.qr(torch.randn(hd, hd, generator=gen).double()).Q
+            new_v[h] = rot @ v[j]
+            o[:, h] = o[:, h] @ rot.T
+        for x, t in (("q", q), ("k", new_k), ("v", new_v)):
+            t = t.reshape(heads * hd, -1)
+            d = state[p + f"{x}_proj.weight"].shape[1]
+            state[p + f"{x}_proj.weight"] = t[:, :d].float().contiguous()
+            if p + f"{x}_proj.bias" in state:
+                state[p + f"{x}_proj.bias"] = t[:, d].float().contiguous()
+        state[p + "o_proj.weight"] = o.reshape(-1, heads * hd).float()
+    return state
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "cohere"])
+def test_fit_exact_on_tiny_families(model_type, tmp_path, one_torch_thread):
+    """Rotate-half, biases (qwen2) and interleaved RoPE (cohere): GQA-2 -> MHA with RoPE-safe
+    variants -> fit back to 2 K/V heads recovers the GQA logits; mean does not."""
+    kv = 2
+    gqa = random_model(AutoConfig.for_model(model_type, **{**SMALL, "num_key_value_heads": kv}))
+    reference = logits(gqa, IDS)
+    mha = random_model(AutoConfig.for_model(model_type, **SMALL))
+    mha.load_state_dict(_rope_safe_variants(gqa.state_dict(), 2, HEADS, kv, HD, model_type == "cohere"))
+    torch.testing.assert_close(logits(mha, IDS), reference, rtol=0, atol=1e-4)
+    save(mha, tmp_path / "mha")
+    convert(str(tmp_path / "mha"), tmp_path / "fit", kv, "fit")
+    convert(str(tmp_path / "mha"), tmp_path / "mean", kv, "mean")
+    assert (logits(load(tmp_path / "fit"), IDS) - reference).abs().max().item() < 1e-4
+    assert (logits(load(tmp_path / "mean"), IDS) - reference).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_fit_with_groups_of_one_is_the_identity(model_type, tmp_path, one_torch_thread):
+    """8 -> 8 heads: each group is one head, so the fit must keep the model (fused phi3 included)."""
+    src = tiny_mha(model_type, tmp_path)
+    convert(str(src), tmp_path / "fit", HEADS, "fit")
+    torch.testing.assert_close(logits(load(tmp_path / "fit"), IDS), logits(load(src), IDS), rtol=0, atol=1e-4)
+
+
 def test_wrong_rotary_pairing_breaks_the_exact_fit(tmp_path, one_torch_thread, monkeypatch):
     """The same model with planes paired the interleaved way (wrong for Llama): no longer exact."""
     convert(str(MHA8), tmp_path / "gqa4", 4)
