@@ -52,7 +52,10 @@ def reference(tmp: Path):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["stories", "reference"])
+    p.add_argument("--report-only", action="store_true", help="rewrite the .md from the JSON files")
     args = p.parse_args()
+    if args.report_only:
+        return write_report(REPO / "results")
     torch.set_num_threads(2)
     out = REPO / "results"
     parts = {}
@@ -67,6 +70,51 @@ def main() -> None:
              "machine": f"2 CPU cores, shared with other jobs ({platform.machine()})",
              "torch": torch.__version__}, indent=2) + "\n")
         print(f"\n## {name}\n\n{markdown(source, rows)}")
+    write_report(out)
+
+
+TITLES = {
+    "stories": ("stories260K-mha8 (examples/; 8 heads, head_dim 8, 5 layers), scored on "
+                "examples/data/tinystories-valid-sample.txt (19 stories, 15,507 tokens, 512-token windows, "
+                "stride 256); fit+calib: 16,384 tokens of examples/data/tinystories-train-sample.txt"),
+    "reference": ("results/paper/reference-mha8 (8 heads, head_dim 32, 4 layers, 4.2M parameters), scored on the "
+                  f"first {DOCS} documents of the paper reproduction's held-out split (Shakespeare + KJV, last 5%; "
+                  "256-token windows, stride 192); fit+calib: 16,384 tokens of its train split; contiguous "
+                  "grouping only, no `first` (time)"),
+}
+
+
+def write_report(out: Path) -> None:
+    """results/conversion-methods.md from the JSON files of the parts measured so far."""
+    from uptrain.measure.methods import Row
+    parts = []
+    for name, title in TITLES.items():
+        f = out / f"conversion-methods-{name}.json"
+        if f.is_file():
+            data = json.loads(f.read_text())
+            parts.append(f"## {title}\n\n{markdown(data['original'], [Row(**r) for r in data['rows']])}\n")
+    (out / "conversion-methods.md").write_text(f"""# Conversion methods at alpha = 0 (no uptraining)
+
+Held-out loss (nats/token, `uptrain.measure.eval`) of each conversion, straight after converting.
+"gap closed" = (mean - method) / (mean - original), with mean = mean pooling, contiguous grouping
+(the GQA paper's conversion). Methods: `mean` / `first` (the paper), `fit` (least-squares fit with
+compensation in Q and O, Σ = I), `fit+calib` (Σ from calibration text). Grouping: `contiguous`
+(transformers' order) or `similar` (equal groups of alike heads, q/o permuted to match).
+
+Machine: 2 CPU cores, shared with other jobs; torch {torch.__version__}, float32. Deterministic
+(no sampling; grouping and fit are deterministic), so no seed. Command (from the repository root):
+
+```bash
+PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py              # both parts
+PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py --only stories
+PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py --only reference
+# the same bake-off on any checkpoint:
+python -m uptrain.measure.methods examples/stories260K-mha8 --kv-heads 2 1 \\
+    --eval-data examples/data/tinystories-valid-sample.txt \\
+    --calib examples/data/tinystories-train-sample.txt --calib-tokens 16384
+```
+
+""" + "\n".join(parts))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def test_permuting_heads_keeps_the_mha_function(model_type, tmp_path, monkeypatc
     q0 = before.state_dict()[f"model.layers.0.self_attn.{name}.weight"]
     q1 = after.state_dict()[f"model.layers.0.self_attn.{name}.weight"]
     assert not torch.equal(q0, q1)  # the heads did move
+    record = json.loads((tmp_path / "perm" / RECORD_FILE).read_text())
+    assert record["grouping"] == "similar" and record["head_order"]["model.layers.0.self_attn."] == perm
     if model_type != "phi3":  # the moved heads are the source heads in the new order
         torch.testing.assert_close(q1.view(HEADS, HD, -1), q0.view(HEADS, HD, -1)[perm], rtol=0, atol=0)
 

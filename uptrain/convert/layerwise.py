@@ -266,6 +266,8 @@ def describe_layerwise(plan, settings: Layerwise | None, calibration, source_par
     if settings is None:
         return
     plan.grouping = settings.grouping
+    if settings.grouping == "similar":
+        plan.head_order = settings.permutations  # the same dict: filled as layers are converted
     if calibration is not None:
         plan.calibration = calibration.record  # the same dict: tokens used and seconds appear once it ran
         plan.calibration["memory_bytes"] = source_params * 4

@@ -36,6 +36,7 @@ class ConversionPlan:
     revision: str | None = None
     grouping: str = "contiguous"  # which query heads share a K/V head (layerwise.py)
     calibration: dict[str, Any] | None = None  # --calib: file, tokens, device, seconds (calibrate.py)
+    head_order: dict[str, list[int]] | None = None  # --grouping similar: layer -> source query head per position
 
     @property
     def group_size(self) -> int:
