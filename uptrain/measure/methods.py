@@ -83,7 +83,7 @@ def markdown(source: float, rows: Sequence[Row]) -> str:
     lines = ["| K/V heads | method | grouping | held-out loss | gap to original closed vs mean (contiguous) |",
              "|---|---|---|---|---|", f"| (original) | — | — | {source:.3f} | — |"]
     for r in rows:
-        gap = "—" if r.gap_closed is None else f"{100 * r.gap_closed:.0f}%"
+        gap = "—" if r.gap_closed is None else f"{round(100 * r.gap_closed)}%"  # int: no "-0%"
         lines.append(f"| {r.kv_heads} | {r.method} | {r.grouping} | {r.loss:.3f} | {gap} |")
     return "\n".join(lines)
 
