@@ -10,7 +10,9 @@ import errno
 import sys
 from pathlib import Path
 
+from uptrain.convert.calibrate import Calibration
 from uptrain.convert.heads import METHODS
+from uptrain.convert.layerwise import GROUPINGS
 from uptrain.convert.pipeline import prepare, write_converted
 from uptrain.convert.plan import format_plan, format_timing
 from uptrain.convert.shards import check_output_path
@@ -24,7 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion")
     p.add_argument("--out", type=Path, help="output folder (required unless --dry-run)")
     p.add_argument("--method", choices=METHODS, default="mean",
-                   help="mean: the paper's mean pooling (default); first / random: the paper's ablations")
+                   help="mean: the paper's mean pooling (default); first / random: the paper's ablations; "
+                        "fit: least-squares K/V fit with compensation in Q and O")
+    p.add_argument("--grouping", choices=GROUPINGS, default="contiguous",
+                   help="contiguous: heads j*g..(j+1)*g-1 share K/V head j (default); similar: equal groups "
+                        "of the most alike heads (q/o permuted to match)")
+    p.add_argument("--calib", type=Path, metavar="FILE",
+                   help="text (.txt one document per line, .jsonl 'text') whose attention-input statistics "
+                        "weight --method fit / --grouping similar; loads the whole model in memory")
+    p.add_argument("--calib-tokens", type=int, default=32768, help="tokens of --calib to run (default 32768)")
+    p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
     p.add_argument("--revision", help="Hub branch, tag or commit")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: keep the source's)")
@@ -41,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and args.out is None:
         raise UsageError("--out is required (or pass --dry-run to only print the plan)")
     max_shard = parse_size(args.max_shard_size)
+    if args.calib_tokens <= 0:
+        raise UsageError(f"--calib-tokens must be positive, got {args.calib_tokens}")
+    calibration = Calibration(args.calib, args.calib_tokens, args.device) if args.calib else None
     source, plan, outputs, new_config = prepare(args.checkpoint, args.kv_heads, args.method, args.seed,
-                                                args.revision, DTYPES.get(args.dtype))
+                                                args.revision, DTYPES.get(args.dtype), grouping=args.grouping,
+                                                calibration=calibration)
     print(format_plan(plan))
     if args.dry_run:
         print("dry run: nothing written")
@@ -55,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"cannot write {args.out}: {err.strerror}; free space and run again "
                              f"(nothing was left behind)") from err
         raise
+    if plan.calibration and "seconds" in plan.calibration:
+        c = plan.calibration
+        print(f"calibration: {c['tokens_used']:,} tokens ({c['documents']} documents) in {c['seconds']} s")
     print(f"wrote {args.out}")
     if args.verbose:
         print(f"time: {format_timing(plan)}")

@@ -14,8 +14,8 @@ from typing import Literal
 
 import torch
 
-Method = Literal["mean", "first", "random"]
-METHODS: tuple[Method, ...] = ("mean", "first", "random")
+Method = Literal["mean", "first", "random", "fit"]
+METHODS: tuple[Method, ...] = ("mean", "first", "random", "fit")  # fit: see convert/fit.py, layerwise.py
 QKVLayout = Literal["blocks", "grouped"]
 
 

@@ -23,9 +23,15 @@ _METHODS = {
     "mean": "mean-pooling the K/V projection heads of each group of query heads (the GQA paper's method)",
     "first": "keeping the first K/V head of each group (the GQA paper's 'first' ablation)",
     "random": "re-initialising the K/V projections at random (the GQA paper's 'random' ablation)",
+    "fit": "a least-squares fit of one K/V head per group, with per-head key scales folded into the query "
+           "projection and the output projection refitted (uptrain's `--method fit`)",
 }
 BASE_MODEL_RELATION = "finetune"
 _DROPPED = ("model-index", "base_model", "base_model_relation")  # about the source, not this model
+
+
+_UNCHANGED = "Query and output projections are unchanged."
+_CHANGED = "Query and output projections are changed too (head order and/or fitted compensation)."
 
 
 def source_card_metadata(readme: Path) -> dict[str, Any]:
@@ -72,7 +78,7 @@ def render_model_card(plan: ConversionPlan, source_meta: dict[str, Any] | None =
 
 Converted by uptrain {plan.record()['uptrain_version']} from `{plan.source}`
 by {_METHODS[plan.method]}: {d.heads} query heads share {plan.new_kv_heads} K/V heads
-(was {d.kv_heads}) in each of {d.layers} layers. Query and output projections are unchanged.
+(was {d.kv_heads}) in each of {d.layers} layers. {_UNCHANGED if plan.method != "fit" and plan.grouping == "contiguous" else _CHANGED}
 KV cache per token: {cache_change(plan)}.
 
 ```

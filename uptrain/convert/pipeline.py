@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from uptrain.convert.architectures import family_for
+from uptrain.convert.calibrate import Calibration
+from uptrain.convert.layerwise import describe_layerwise, layerwise_settings
 from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, hub_model_id, open_checkpoint,
                                     resolve_source)
 from uptrain.errors import UsageError
@@ -32,9 +34,13 @@ RECORD_FILE = "uptrain_conversion.json"
 
 
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
-            revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False
+            revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
+            grouping: str = "contiguous", calibration: Calibration | None = None
             ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
+
+    grouping / calibration: see `layerwise` (`--grouping similar`, `--method fit`) and `calibrate`;
+    the calibration runs lazily, when the first attention layer is written.
 
     allow_expand: also accept more K/V heads than the source has (each head repeated in place,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
@@ -58,13 +64,17 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         else:
             problem = f"{kv_heads} does not divide the {dims.kv_heads} K/V heads"
         raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
-    change = HeadChange(family, dims, kv_heads, method, float(getattr(cfg, "initializer_range", 0.02) or 0.02), seed)
+    layerwise = layerwise_settings(cfg.to_dict() | source.config, dims.heads, dims.kv_heads, dims.head_dim,
+                                   kv_heads, method, grouping, calibration and calibration.bind(source.path))
+    change = HeadChange(family, dims, kv_heads, method, float(getattr(cfg, "initializer_range", 0.02) or 0.02), seed,
+                        layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)
     kv_names = {o.spec.name for o in outputs if any(r.match(o.spec.name) for r in family.tensors)}
     kv_dtype = next((o.spec.dtype for o in outputs if o.spec.name in kv_names and o.spec.dtype.is_floating_point),
                     dtype or torch.float32)
     plan = plan_conversion(checkpoint, revision, source.config, family, dims, kv_heads, method, seed,
                      sum(i.numel for i in source.tensors), outputs, kv_dtype)
+    describe_layerwise(plan, layerwise, calibration, sum(i.numel for i in source.tensors))
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
     plan.timing_s["plan"] = time.perf_counter() - start
     return source, plan, outputs, new_config
@@ -139,10 +149,12 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
 
 def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, max_shard_size: str = "5GB",
-            force: bool = False, allow_expand: bool = False) -> ConversionPlan:
+            force: bool = False, allow_expand: bool = False, grouping: str = "contiguous",
+            calibration: Calibration | None = None) -> ConversionPlan:
     """Convert `checkpoint` into `out` with `kv_heads` K/V heads; the Python API behind the CLI."""
     max_shard = parse_size(max_shard_size)
-    source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand)
+    source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand,
+                                                grouping, calibration)
     check_output_path(out, source.path, force)
     write_converted(source, plan, outputs, new_config, out, max_shard)
     return plan

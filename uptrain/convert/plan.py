@@ -36,6 +36,9 @@ class ConversionPlan:
     revision: str | None = None
     cache_shrinks: bool = True  # False: transformers' cache for this type keeps K/V of every query head
     timing_s: dict[str, float] = field(default_factory=dict)  # seconds per phase of the conversion
+    grouping: str = "contiguous"  # which query heads share a K/V head (layerwise.py)
+    calibration: dict[str, Any] | None = None  # --calib: file, tokens, device, seconds (calibrate.py)
+    head_order: dict[str, list[int]] | None = None  # --grouping similar: layer -> source query head per position
 
     @property
     def group_size(self) -> int:
@@ -104,7 +107,8 @@ def format_plan(plan: ConversionPlan) -> str:
     rows = [
         ("source", plan.source + (f" @ {plan.revision}" if plan.revision else "")),
         ("model type", plan.model_type),
-        ("method", plan.method + (f" (seed {plan.seed})" if plan.method == "random" else "")),
+        ("method", plan.method + (f" (seed {plan.seed})" if plan.method == "random" else "")
+         + (f", {plan.grouping} grouping" if plan.grouping != "contiguous" else "")),
         ("layers", str(d.layers)),
         ("per layer", f"{d.heads} query heads, K/V heads {d.kv_heads} -> {plan.new_kv_heads} "
                       f"(groups of {plan.group_size}), head_dim {d.head_dim}"),
@@ -118,6 +122,10 @@ def format_plan(plan: ConversionPlan) -> str:
         rows.append((f"KV cache @ {plan.max_context} tok",
                      f"{human_bytes(plan.kv_bytes_per_token_before * plan.max_context)} -> "
                      f"{human_bytes(plan.kv_bytes_per_token_after * plan.max_context)} per sequence"))
+    if plan.calibration:
+        c = plan.calibration
+        rows.append(("calibration", f"{c['file']}, {c.get('tokens_used', c['tokens_requested']):,} tokens on "
+                                    f"{c['device']}" + (f", {c['seconds']} s" if "seconds" in c else "")))
     rows += [("note", n) for n in plan.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class HeadChange:
     method: Method = "mean"
     init_std: float = 0.02
     seed: int = 0
+    layerwise: Any = None  # a layerwise.Layerwise: --method fit / --grouping similar (whole layers at once)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,9 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
             f"found K/V projections in {len(projection_layers)} of {d.layers} layers for model type "
             f"{change.family.model_types[0]!r}-like weights; the checkpoint's tensor names are not the "
             f"ones this architecture uses")
+    if change.layerwise is not None:
+        from uptrain.convert.layerwise import rewrite_outputs
+        outputs = rewrite_outputs(outputs, infos, change)
     return outputs
 
 

@@ -1,0 +1,277 @@
+"""Conversions that change a whole attention layer at once: `--method fit` and `--grouping similar`.
+
+The streaming converter makes each output tensor from its own source tensors. These two couple
+the projections of a layer (the fit folds key scales into q_proj and refits o_proj; a grouping
+permutes q/k/v rows and o_proj columns together), so here every attention tensor of a layer is
+made from all of that layer's attention tensors: the layer is transformed once, on its first
+output, cached, and dropped when its last output is taken (memory stays near one layer).
+
+Which families this can treat exactly is decided by `check_layerwise` from the config: a one-line
+UsageError names what works instead (`--method mean`, `--grouping contiguous`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from uptrain.convert.fit import fit_keys, fit_values, rotary_planes
+from uptrain.convert.grouping import group_permutation, head_similarity
+from uptrain.convert.heads import merge_qkv, repeat_heads, split_qkv
+from uptrain.errors import UsageError
+
+Grouping = Literal["contiguous", "similar"]
+GROUPINGS: tuple[Grouping, ...] = ("contiguous", "similar")
+
+# RoPE pairs dims 2i, 2i+1 in these types (rotate_half on x[..., 0::2] / x[..., 1::2]); others i, i+hd/2
+INTERLEAVED_ROPE = frozenset({"cohere", "cohere2", "helium", "glm", "glm4", "ernie4_5"})
+# key norms after the projection (nonlinear): the fitted scales would be normalised away
+SHARED_KEY_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "exaone4"})
+# fused layouts where K/V heads sit between query heads, or only MQA can be expressed
+NOT_LAYERWISE = frozenset({"falcon", "gpt_bigcode"})
+
+_ATTN = re.compile(r"^(?P<layer>.*\.(?:self_attn|attention)\.)(?P<part>q_proj|k_proj|v_proj|o_proj|dense|qkv_proj)"
+                   r"\.(?P<param>weight|bias)$")
+_PART = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o", "qkv_proj": "qkv"}
+
+
+@dataclass
+class Layerwise:
+    """Settings of a layer-at-a-time conversion (part of `HeadChange`)."""
+
+    grouping: Grouping = "contiguous"
+    interleaved: bool = False
+    # attention-input second moment per layer prefix, augmented with a constant 1 (last row/col);
+    # None: Σ = I (weights only)
+    sigma: Callable[[str], torch.Tensor] | None = None
+    permutations: dict[str, list[int]] = field(default_factory=dict)  # filled as layers are converted
+
+
+def _partial_rotary(config: dict[str, Any], head_dim: int) -> bool:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) or 1.0
+    dims = [config.get(k) for k in ("rotary_dim", "rotary_ndims") if config.get(k)]
+    return float(factor) < 1.0 or any(int(x) < head_dim for x in dims)
+
+
+def check_layerwise(config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
+    """UsageError (one line) where `method`/`grouping` cannot be done exactly for this config.
+
+    config: the config as transformers reads it (class defaults included).
+    """
+    model_type = config.get("model_type", "")
+    per_head_norm = ((model_type == "stablelm" and config.get("qk_layernorm"))
+                     or (model_type == "cohere" and config.get("use_qk_norm"))
+                     or model_type in ("olmo2", "olmo3"))
+    if grouping == "similar":
+        if method == "random":
+            raise UsageError("--grouping similar has no effect with --method random (K/V are re-initialised); "
+                             "use --grouping contiguous")
+        if model_type in NOT_LAYERWISE or per_head_norm:
+            raise UsageError(f"--grouping similar is not supported for {model_type!r} (key norms or a fused "
+                             f"grouped layout tie heads to their place); use --grouping contiguous")
+    if method != "fit":
+        return
+    why = ""
+    if model_type in NOT_LAYERWISE:
+        why = "its fused query_key_value layout interleaves K/V heads with query heads"
+    elif per_head_norm or model_type in SHARED_KEY_NORM or config.get("qk_layernorm") or config.get("use_qk_norm"):
+        why = "it normalises keys after the projection, which would undo the fitted per-head key scales"
+    elif _partial_rotary(config, head_dim):
+        why = "RoPE covers only part of each head (partial rotary), and the fit treats whole heads as rotary planes"
+    elif config.get("clip_qkv"):
+        why = "clip_qkv clamps q/k/v outputs, which the fitted scales would change"
+    if why:
+        raise UsageError(f"--method fit cannot convert {model_type!r} exactly: {why}; use --method mean")
+
+
+def _per_head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads*hd, *rest] -> [heads, hd, *rest]."""
+    return t.reshape(heads, t.shape[0] // heads, *t.shape[1:])
+
+
+def _augment(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, with_bias: bool) -> torch.Tensor:
+    """[heads*hd, d] (+ bias [heads*hd]) -> [heads, hd, d (+1)] float64."""
+    w = weight.double()
+    if with_bias:
+        b = bias.double() if bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+        w = torch.cat([w, b[:, None]], dim=1)
+    return _per_head_rows(w, heads)
+
+
+def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int, new_kv: int, method: str,
+                    settings: Layerwise, layer: str, qkv_layout: str | None = None) -> dict[str, torch.Tensor]:
+    """One attention layer converted: keys "q.weight", "k.weight", ..., "qkv.weight", "o.weight" in and out.
+
+    Works in the MHA view: K/V heads are first repeated to one per query head (the same function),
+    heads are permuted into groups (`settings.grouping`), then each group's K/V is merged by `method`
+    ("mean", "first" or "fit"). Outputs keep each source tensor's dtype.
+    """
+    t = dict(tensors)
+    if qkv_layout is not None:  # fused (Phi-3): split, convert, merge back
+        hd_guess = t["o.weight"].shape[1] // heads
+        for param in ("weight", "bias"):
+            if f"qkv.{param}" in t:
+                t[f"q.{param}"], t[f"k.{param}"], t[f"v.{param}"] = split_qkv(
+                    t.pop(f"qkv.{param}"), qkv_layout, heads, kv_heads, hd_guess)
+    o = t["o.weight"]
+    hd = o.shape[1] // heads
+    d = t["q.weight"].shape[1]
+    for name in ("k.weight", "k.bias", "v.weight", "v.bias"):  # the MHA view
+        if name in t and kv_heads != heads:
+            t[name] = repeat_heads(t[name], kv_heads, heads)
+    kv_bias = "k.bias" in t or "v.bias" in t
+    full = settings.sigma(layer).double() if settings.sigma else torch.eye(d + 1, dtype=torch.float64)
+    sig_kv = full if kv_bias else full[:d, :d]
+    sig_q = full if "q.bias" in t else full[:d, :d]
+    wq = _augment(t["q.weight"], t.get("q.bias"), heads, "q.bias" in t)
+    wk = _augment(t["k.weight"], t.get("k.bias"), heads, kv_bias)
+    wv = _augment(t["v.weight"], t.get("v.bias"), heads, kv_bias)
+    wo = o.double().reshape(o.shape[0], heads, hd).permute(1, 0, 2)  # [heads, d_out, hd]
+    planes = rotary_planes(hd, settings.interleaved)
+
+    perm = list(range(heads))
+    if settings.grouping == "similar":
+        sim = head_similarity(_augment(t["k.weight"], t.get("k.bias"), heads, True),
+                              _augment(t["v.weight"], t.get("v.bias"), heads, True), full,
+                              aligned=method == "fit", planes=planes)
+        perm = group_permutation(sim, new_kv)
+        settings.permutations[layer] = perm
+    wq, wk, wv, wo = wq[perm], wk[perm], wv[perm], wo[perm]
+
+    g = heads // new_kv
+    new_k, new_v = [], []
+    for s in range(new_kv):
+        grp = slice(s * g, (s + 1) * g)
+        if method == "fit":
+            k1, wq[grp] = fit_keys(wk[grp], wq[grp], sig_kv, sig_q, planes)
+            v1, wo[grp] = fit_values(wv[grp], wo[grp], sig_kv)
+        elif method == "mean":
+            k1, v1 = wk[grp].mean(0), wv[grp].mean(0)
+        elif method == "first":
+            k1, v1 = wk[grp][0], wv[grp][0]
+        else:
+            raise ValueError(f"transform_layer takes mean, first or fit, not {method!r}")
+        new_k.append(k1)
+        new_v.append(v1)
+    k_all, v_all = torch.stack(new_k), torch.stack(new_v)  # [new_kv, hd, D]
+
+    out: dict[str, torch.Tensor] = {}
+    out["q.weight"] = wq[..., :d].reshape(heads * hd, d)
+    if "q.bias" in t:
+        out["q.bias"] = wq[..., d].reshape(heads * hd)
+    for name, w in (("k", k_all), ("v", v_all)):
+        out[f"{name}.weight"] = w[..., :d].reshape(new_kv * hd, d)
+        if f"{name}.bias" in t:
+            out[f"{name}.bias"] = w[..., d].reshape(new_kv * hd)
+    out["o.weight"] = wo.permute(1, 0, 2).reshape(o.shape[0], heads * hd)
+    if "o.bias" in t:
+        out["o.bias"] = t["o.bias"]
+    if qkv_layout is not None:
+        for param in ("weight", "bias"):
+            if f"q.{param}" in out:
+                parts = [out.pop(f"{x}.{param}") for x in "qkv"]
+                dtype = tensors[f"qkv.{param}"].dtype
+                out[f"qkv.{param}"] = merge_qkv(*[p.to(dtype) for p in parts], qkv_layout, hd)
+    return {name: value.to(tensors[name].dtype).contiguous() for name, value in out.items()}
+
+
+class _LayerCache:
+    """Transforms a layer on the first request for one of its tensors; forgets it after the last."""
+
+    def __init__(self, compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                 keys: list[str], wanted: set[str]):
+        self.compute, self.keys, self.remaining = compute, keys, set(wanted)
+        self.result: dict[str, torch.Tensor] | None = None
+
+    def take(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.result is None:
+            self.result = self.compute(dict(zip(self.keys, tensors)))
+        out = self.result[key]
+        self.remaining.discard(key)
+        if not self.remaining:
+            self.result = None
+        return out
+
+
+def rewrite_outputs(outputs: list, infos: list, change) -> list:
+    """Replace the attention outputs of a planned conversion by layer-at-a-time ones.
+
+    outputs: `OutputTensor`s as planned for mean pooling (names, shapes and dtypes are right);
+    infos: the source tensors; change: the `HeadChange` (with `.layerwise` set).
+    """
+    from dataclasses import replace
+
+    d, settings = change.dims, change.layerwise
+    layers: dict[str, dict[str, Any]] = {}
+    for info in infos:
+        m = _ATTN.match(info.name)
+        if m:
+            layers.setdefault(m["layer"], {})[f"{_PART[m['part']]}.{m['param']}"] = info
+    if len(layers) != d.layers:
+        raise UsageError(f"found attention projections in {len(layers)} of {d.layers} layers; "
+                         f"the layer-at-a-time conversion does not know this checkpoint's tensor names")
+    layout = change.family.qkv_layout[0] if change.family.qkv_layout else None
+    caches: dict[str, _LayerCache] = {}
+    for layer, parts in layers.items():
+        keys = sorted(parts)
+        if not {"o.weight"} <= set(keys) or not ({"q.weight", "k.weight", "v.weight"} <= set(keys)
+                                                   or "qkv.weight" in keys):
+            raise UsageError(f"layer {layer.rstrip('.')} lacks some of its q/k/v/o projections")
+
+        def compute(ts, layer=layer):
+            return transform_layer(ts, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
+                                   layer, layout)
+        caches[layer] = _LayerCache(compute, keys, set(keys))
+    result = []
+    for output in outputs:
+        m = _ATTN.match(output.spec.name)
+        if not m or m["layer"] not in caches:
+            result.append(output)
+            continue
+        layer, key = m["layer"], f"{_PART[m['part']]}.{m['param']}"
+        cache = caches[layer]
+        sources = tuple(layers[layer][k] for k in cache.keys)
+        result.append(replace(output, sources=sources,
+                              make=lambda ts, cache=cache, key=key: cache.take(key, ts),
+                              unchanged=False))  # rewritten: never a byte copy of its source
+    return result
+
+
+def layerwise_settings(config: dict[str, Any], heads: int, kv_heads: int, head_dim: int, new_kv: int,
+                       method: str, grouping: str, calibration=None) -> Layerwise | None:
+    """The `Layerwise` of a conversion, None for the per-tensor path; UsageError where not possible.
+
+    calibration: a bound `calibrate.Calibration` (Σ from real text) or None (Σ = I).
+    """
+    if grouping not in GROUPINGS:
+        raise UsageError(f"--grouping must be one of {', '.join(GROUPINGS)}, not {grouping!r}")
+    if method != "fit" and grouping == "contiguous":
+        if calibration is not None:
+            raise UsageError("--calib has no effect with --method mean/first/random and --grouping contiguous; "
+                             "use it with --method fit or --grouping similar")
+        return None
+    check_layerwise(config, head_dim, method, grouping)
+    if new_kv > kv_heads:
+        raise UsageError("--method fit and --grouping similar only reduce the K/V head count")
+    return Layerwise(grouping=grouping, interleaved=config.get("model_type") in INTERLEAVED_ROPE,
+                     sigma=calibration.sigma if calibration is not None else None)
+
+
+def describe_layerwise(plan, settings: Layerwise | None, calibration, source_params: int) -> None:
+    """Put grouping and calibration into a `ConversionPlan` (printed, in the card and the record)."""
+    if settings is None:
+        return
+    plan.grouping = settings.grouping
+    if settings.grouping == "similar":
+        plan.head_order = settings.permutations  # the same dict: filled as layers are converted
+    if calibration is not None:
+        plan.calibration = calibration.record  # the same dict: tokens used and seconds appear once it ran
+        plan.calibration["memory_bytes"] = source_params * 4
+        plan.notes.append(f"calibration loads the whole model in memory ({source_params * 4 / 2**20:.1f} MiB "
+                          f"float32) on {calibration.device} and runs {calibration.tokens:,} tokens of "
+                          f"{calibration.path}; it is not streamed layer by layer")
