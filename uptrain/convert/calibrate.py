@@ -12,6 +12,7 @@ line's "text" field.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,11 @@ WINDOW = 2048  # longest forward pass (tokens); documents longer than the model'
 
 
 def read_calibration_texts(path: Path) -> list[str]:
-    """The documents of a calibration file; UsageError if it is missing or holds no text."""
+    """The documents of a calibration file; UsageError if it is missing or holds no text.
+
+    .txt: documents are separated by a blank line (the trainer's `text_unit: paragraph`);
+    .jsonl: one JSON object with a "text" field per line.
+    """
     if not path.is_file():
         raise UsageError(f"--calib file {path} does not exist; pass a text file (.txt or .jsonl)")
     raw = path.read_text(encoding="utf-8", errors="replace")
@@ -37,8 +42,8 @@ def read_calibration_texts(path: Path) -> list[str]:
                     texts.append(str(json.loads(line)["text"]))
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UsageError(f"--calib {path}: line {n} is not a JSON object with a 'text' field") from None
-    else:
-        texts = [line.strip() for line in raw.splitlines()]
+    else:  # documents separated by blank lines, like the trainer's and eval's default text_unit
+        texts = [block.strip() for block in re.split(r"\n\s*\n", raw)]
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise UsageError(f"--calib file {path} is empty; pass a file with text in it")

@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("checkpoint", help="local MHA (or GQA) checkpoint folder")
     p.add_argument("--kv-heads", type=positive_int, nargs="+", required=True)
     p.add_argument("--eval-data", type=Path, nargs="+", required=True, metavar="FILE",
-                   help="held-out text (.txt one document per line, .jsonl, ...), read like `uptrain.eval --data`")
+                   help="held-out text (.txt: documents separated by blank lines; .jsonl, ...), read like `uptrain.eval --data`")
     p.add_argument("--max-documents", type=positive_int, help="score only the first N documents")
     p.add_argument("--calib", type=Path, help="calibration text for the fit+calib rows (omitted without it)")
     p.add_argument("--calib-tokens", type=positive_int, default=32768)
