@@ -108,3 +108,22 @@ def test_exit_code_and_single_line_from_a_real_process(mha8, tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
+
+
+def test_an_unconvertible_type_is_named_before_missing_weights(tmp_path, capsys):
+    """A folder with only a gpt2 config.json: the model type is the problem, not the download."""
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64).to_json_file(src / "config.json")
+    err = fails([src, "--kv-heads", 1, "--out", tmp_path / "out"], capsys, "'gpt2' cannot be converted")
+    assert "download" not in err and "has no weights" not in err
+
+
+def test_refusals_found_after_planning_print_no_plan(mha8, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    capsys.readouterr()
+    assert main([str(mha8), "--kv-heads", "2", "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"

@@ -16,12 +16,13 @@ from uptrain.convert.layerwise import GROUPINGS
 from uptrain.convert.pipeline import prepare, write_converted
 from uptrain.convert.plan import format_plan, format_timing
 from uptrain.convert.shards import check_output_path
+from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPES, parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m uptrain.convert", description=__doc__.splitlines()[0])
+    p = ArgParser(prog=prog_name("uptrain.convert"), description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="local checkpoint folder or Hugging Face Hub model id")
     p.add_argument("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion")
     p.add_argument("--out", type=Path, help="output folder (required unless --dry-run)")
@@ -58,11 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     source, plan, outputs, new_config = prepare(args.checkpoint, args.kv_heads, args.method, args.seed,
                                                 args.revision, DTYPES.get(args.dtype), grouping=args.grouping,
                                                 calibration=calibration)
+    if not args.dry_run:
+        check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
     print(format_plan(plan))
     if args.dry_run:
         print("dry run: nothing written")
         return 0
-    check_output_path(args.out, source.path, args.force)
     try:
         write_converted(source, plan, outputs, new_config, args.out, max_shard)
     except OSError as err:

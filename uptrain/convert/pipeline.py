@@ -20,7 +20,7 @@ from uptrain.convert.architectures import family_for
 from uptrain.convert.calibrate import Calibration
 from uptrain.convert.layerwise import describe_layerwise, layerwise_settings
 from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, hub_model_id, open_checkpoint,
-                                    resolve_source)
+                                    read_config, resolve_source)
 from uptrain.errors import UsageError
 from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
@@ -46,8 +46,11 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
     """
     start = time.perf_counter()
-    source = open_checkpoint(resolve_source(checkpoint, revision))
-    family = family_for(load_hf_config(source.config).to_dict() | source.config)
+    folder = resolve_source(checkpoint, revision)
+    raw = read_config(folder)
+    # The model type first: a type we cannot convert is refused before we ask for its weights.
+    family = family_for(load_hf_config(raw).to_dict() | raw)
+    source = open_checkpoint(folder, raw)
     cfg = load_hf_config(source.config)
     dims = attention_dims(cfg, family)
     valid = [1, dims.kv_heads] if family.mqa_only else divisors(dims.kv_heads)

@@ -207,15 +207,20 @@ def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) 
     return infos
 
 
-def open_checkpoint(folder: Path) -> SourceCheckpoint:
-    """Read config.json and the tensor metadata of a checkpoint folder."""
+def read_config(folder: Path) -> dict[str, Any]:
+    """The raw config.json of a checkpoint folder (UsageError when missing or not JSON)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise UsageError(f"{folder} has no config.json; pass a Hugging Face checkpoint folder")
     try:
-        config = json.loads(config_path.read_text())
+        return json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise UsageError(f"{config_path} is not valid JSON ({err.msg}, line {err.lineno})") from err
+
+
+def open_checkpoint(folder: Path, config: dict[str, Any] | None = None) -> SourceCheckpoint:
+    """The config (read here unless given) and the tensor metadata of a checkpoint folder."""
+    config = read_config(folder) if config is None else config
     if (folder / SAFE_INDEX).is_file():
         name_to_file = _indexed_files(folder, SAFE_INDEX)
         files = sorted(set(name_to_file.values()))
