@@ -45,3 +45,29 @@ def test_usage_lines_name_the_command_the_user_typed(monkeypatch: pytest.MonkeyP
     assert prog_name("uptrain.eval") == "uptrain-eval"
     monkeypatch.setattr("sys.argv", ["/repo/uptrain/eval.py", "--help"])  # python -m uptrain.eval
     assert prog_name("uptrain.eval") == "python -m uptrain.eval"
+
+
+@pytest.mark.parametrize("module,entry", [
+    ("uptrain.convert", "uptrain.convert.__main__"), ("uptrain.train", "uptrain.train.__main__"),
+    ("uptrain.eval", "uptrain.measure.eval"), ("uptrain.bench", "uptrain.measure.bench"),
+    ("uptrain.compare", "uptrain.measure.compare"), ("uptrain.plots", "uptrain.measure.plots"),
+    ("uptrain.demo", "uptrain.demo"), ("uptrain.measure.methods", "uptrain.measure.methods"),
+    ("uptrain.convert.architectures", "uptrain.convert.architectures")])
+def test_every_command_has_help_with_its_own_name(module: str, entry: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(entry).main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m {module}") and "-h, --help" in out
+
+
+def test_module_entry_points_run_without_import_warnings() -> None:
+    """`python -m uptrain.convert.architectures` must not import itself twice (runpy's warning)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "uptrain.convert.architectures"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("| model type(s)"), proc.stderr[-2000:]

@@ -7,13 +7,12 @@ the held-out loss before conversion, after conversion and after uptraining, with
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-from uptrain.cli import format_table, positive_int
+from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.measure.eval import evaluate, load_model, read_texts, tokenize_texts
@@ -45,14 +44,14 @@ def _shown(path: Path) -> str:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m uptrain.demo", description=__doc__.splitlines()[0])
+    p = ArgParser(prog=prog_name("uptrain.demo"), description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (replaced)")
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=positive_int, default=2, help="K/V heads after conversion (of 8)")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
     p.add_argument("--valid", type=Path, default=VALID,
                    help="held-out text: stories separated by blank lines (default: the shipped TinyStories sample)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo-cpu.yaml")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of configs/demo-cpu.yaml")
     args = p.parse_args(argv)
     source = EXAMPLES / "stories260K-mha8"
     if not source.is_dir():

@@ -13,6 +13,14 @@ Modules, from facts to I/O:
 Python API: `from uptrain.convert import convert`.
 """
 
-from uptrain.convert.pipeline import RECORD_FILE, convert, prepare
-
 __all__ = ["RECORD_FILE", "convert", "prepare"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for its registry, or `python -m uptrain.convert.X`) does
+    # not pull in the whole pipeline.
+    if name in __all__:
+        from uptrain.convert import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'uptrain.convert' has no attribute {name!r}")

@@ -157,5 +157,16 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`python -m uptrain.convert.architectures`: print the README's table of supported types."""
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m uptrain.convert.architectures",
+                            description="Print the markdown table of supported model types (from the "
+                                        "registry), as README.md shows it.").parse_args(argv)
     print(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

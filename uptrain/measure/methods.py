@@ -12,7 +12,6 @@ Why here and not `python -m uptrain.convert --compare-methods`: the bake-off nee
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain.cli import format_table, positive_int, write_json
+from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert import convert
 from uptrain.convert.calibrate import Calibration
 from uptrain.errors import UsageError, exit_on_usage_error
@@ -90,17 +89,17 @@ def markdown(source: float, rows: Sequence[Row]) -> str:
 
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m uptrain.measure.methods", description=__doc__.splitlines()[0])
+    p = ArgParser(prog=prog_name("uptrain.measure.methods"), description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="local MHA (or GQA) checkpoint folder")
-    p.add_argument("--kv-heads", type=positive_int, nargs="+", required=True)
+    p.add_argument("--kv-heads", type=positive_int, nargs="+", required=True, help="K/V head counts to convert to")
     p.add_argument("--eval-data", type=Path, nargs="+", required=True, metavar="FILE",
                    help="held-out text (.txt: documents separated by blank lines; .jsonl, ...), read like `uptrain.eval --data`")
     p.add_argument("--max-documents", type=positive_int, help="score only the first N documents")
     p.add_argument("--calib", type=Path, help="calibration text for the fit+calib rows (omitted without it)")
-    p.add_argument("--calib-tokens", type=positive_int, default=32768)
-    p.add_argument("--max-length", type=positive_int, default=512)
-    p.add_argument("--stride", type=positive_int, default=256)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--calib-tokens", type=positive_int, default=32768, help="calibration tokens")
+    p.add_argument("--max-length", type=positive_int, default=512, help="evaluation window (tokens)")
+    p.add_argument("--stride", type=positive_int, default=256, help="evaluation stride (tokens)")
+    p.add_argument("--device", default="cpu", help="torch device for calibration and evaluation")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)

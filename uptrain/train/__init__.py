@@ -7,6 +7,13 @@ itself), report (metrics, plots, the final model folder); __main__ is the CLI.
 Python API: `from uptrain.train import train`.
 """
 
-from uptrain.train.loop import train
-
 __all__ = ["train"]
+
+
+def __getattr__(name: str):
+    # Lazy, like uptrain.convert: `uptrain.train.config` etc. import without the loop's deps.
+    if name == "train":
+        from uptrain.train.loop import train
+
+        return train
+    raise AttributeError(f"module 'uptrain.train' has no attribute {name!r}")

@@ -8,11 +8,11 @@ See uptrain/train/config.py for every config field.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import typing
 
+from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
 from uptrain.train.config import TrainConfig, load_config
 from uptrain.train.loop import TrainingDiverged, train
@@ -23,12 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     hints = typing.get_type_hints(TrainConfig)
     sections = [name for name, hint in hints.items() if dataclasses.is_dataclass(hint)]
     top = [name for name in hints if name not in sections]
-    parser = argparse.ArgumentParser(
-        prog="python -m uptrain.train", description=__doc__.split("\n\n")[0],
+    parser = ArgParser(
+        prog=prog_name("uptrain.train"), description=__doc__.split("\n\n")[0],
         epilog=f"config sections: {', '.join(sections)}; top-level keys: {', '.join(top)}. Every key and its meaning: the "
                "trainer's key table in README.md (## Uptrain) and uptrain/train/config.py.")
     parser.add_argument("config", help="YAML run config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, dotted for nested fields (optim.lr=1e-3)")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, dotted for nested fields (optim.lr=1e-3)")
     args = parser.parse_args(argv)
     try:
         train(load_config(args.config, args.overrides))
