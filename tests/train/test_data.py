@@ -164,3 +164,20 @@ def test_val_fraction_holds_out_whole_documents(tokenizer, tmp_path):
         piece = flat[start + 1:end]
         (i,) = _markers(tokenizer, piece)
         assert piece == tokenizer(docs[i])["input_ids"]
+
+
+def test_an_unreachable_hub_dataset_fails_at_once_with_one_line(monkeypatch):
+    """No network here: the probe's connection error is the answer, before datasets' retries."""
+    import time
+
+    from uptrain.train.sources import check_hub_reachable, load_texts
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(UsageError, match="cannot reach the Hugging Face Hub to load dataset 'org/data'"):
+        load_texts(DataSource(dataset="org/data"))
+    assert time.monotonic() - start < 30  # a bound, not a timing claim: no retry loop
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    check_hub_reachable("org/data")  # offline mode: datasets reads its cache, nothing is asked

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, GQA4, REPO, need_models, read_metrics, tiny_overrides, train_losses
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
@@ -151,7 +151,8 @@ def test_streaming_two_processes_see_the_same_global_batches_as_one_and_resume(t
 
     # Interrupted after the checkpoint of step 2: two processes resume the stream after the
     # 2 x 8 blocks consumed and reproduce the uninterrupted losses.
-    shutil.rmtree(double / "model")
+    shutil.rmtree(double / "model")  # as if the run had stopped before finishing:
+    (double / FINISHED_FILE).unlink()  # no model, no finished mark
     shutil.rmtree(complete_checkpoints(double)[-1])
     assert complete_checkpoints(double)[-1].name == "checkpoint-00000002"
     launch_two_processes(args + ["resume=latest"])

@@ -65,6 +65,27 @@ def _strip_newlines(row: dict[str, str]) -> dict[str, str]:
     return {"text": row["text"].strip("\n")}
 
 
+def check_hub_reachable(dataset: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, not after datasets' retries, when the Hub cannot be reached.
+
+    One metadata request; with HF_HUB_OFFLINE=1 nothing is asked and datasets reads its cache.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    try:
+        HfApi().dataset_info(dataset, timeout=timeout_s)
+    except HfHubHTTPError:
+        return  # the Hub answered (not found, gated, ...): datasets' own error says what
+    except Exception as err:  # noqa: BLE001 - connection errors differ between HTTP backends
+        raise UsageError(
+            f"cannot reach the Hugging Face Hub to load dataset {dataset!r} ({str(err).splitlines()[0]}); "
+            "use local files (data.train.files / data.val.files), or HF_HUB_OFFLINE=1 to read a cached copy"
+        ) from None
+
+
 def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
     """Load `source` as a dataset with one column, "text" (empty documents dropped)."""
     source.validate()
@@ -78,6 +99,7 @@ def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDatase
             # file: they separate documents, they are not part of one.
             ds = ds.map(_strip_newlines)
     else:
+        check_hub_reachable(source.dataset)
         try:
             ds = datasets.load_dataset(
                 source.dataset, source.config, split=source.split, streaming=source.streaming
