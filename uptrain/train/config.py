@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from uptrain.train.sources import DataSource
+from uptrain.train.trainable import check_trainable
 from uptrain.errors import UsageError
 
 
@@ -125,6 +126,8 @@ class TrainConfig:
     mixed_precision: str | None = None  # no, bf16, fp16; None: the launcher's (accelerate config/flag), else no
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the model
+    trainable: str = "all"  # all, attention (every attention-module parameter) or kv (q/k/v/o projections);
+    # the rest is frozen (see uptrain/train/trainable.py)
     threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
@@ -170,6 +173,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        check_trainable(self.trainable)
         b = self.budget
         if (b.tokens is None) == (b.fraction is None):
             raise UsageError("budget: give either budget.tokens or budget.fraction (with budget.pretrain_tokens)")

@@ -41,6 +41,7 @@ from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_acceler
 from uptrain.train.setup import (
     RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
 )
+from uptrain.train.trainable import apply_trainable, trainable_line
 from uptrain.train.validate import validate_blocks
 
 
@@ -131,7 +132,9 @@ def setup_run(config: TrainConfig) -> Run:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+    n_trained = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
     accelerator.print(plan.describe(config, world, n_params, n_available, len(val_blocks)))
+    accelerator.print(trainable_line(config.trainable, n_trained, n_params))
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
                model, teacher, optimizer, loader, metrics)
@@ -140,6 +143,7 @@ def setup_run(config: TrainConfig) -> Run:
 def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model to train (fp32 master weights) and the frozen teacher, if distilling."""
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    apply_trainable(model, config.trainable)  # frozen parameters: requires_grad False, not in the optimizer
     model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
     if config.gradient_checkpointing:
         # Recompute activations in backward: less memory, more compute (renamed in transformers 5.x).
