@@ -182,6 +182,9 @@ class TrainConfig:
         if b.total_tokens() <= 0:
             raise UsageError("budget must be a positive number of tokens")
         self.data.train.validate()
+        if self.data.train.teacher_samples is not None and not self.distill.teacher:
+            raise UsageError("data.train.teacher_samples needs distill.teacher: the teacher writes the samples "
+                             "(and is distilled from on them)")
         if self.data.train.streaming and self.data.val is None:
             raise UsageError("a streaming data.train needs a separate validation source: give data.val")
         if self.data.val is not None and self.data.val.streaming and self.eval.max_batches is None:
@@ -189,6 +192,8 @@ class TrainConfig:
         if self.data.shuffle_buffer < 0 or (self.data.shuffle_buffer and not self.data.train.streaming):
             raise UsageError("data.shuffle_buffer must be >= 0 and applies only to a streaming data.train")
         if self.data.val is not None:
+            if self.data.val.teacher_samples is not None:
+                raise UsageError("teacher_samples is for data.train only; give data.val files or a dataset")
             self.data.val.validate()
 
 
@@ -263,7 +268,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 # Fields holding local paths. In a config FILE, relative paths are relative to that file's
 # folder (so a config works from any working directory); on the command line (`key=value`),
 # relative to the working directory, as a shell user expects.
-_PATH_FIELDS = ("run_dir", "resume", "data.train.files", "data.val.files")
+_PATH_FIELDS = ("run_dir", "resume", "data.train.files", "data.val.files", "data.train.teacher_samples.prompts")
 # Fields that may also name a Hub model: resolved only when written as a path (./, ../) or
 # when the path exists beside the config.
 _MODEL_FIELDS = ("model", "tokenizer", "distill.teacher")

@@ -14,6 +14,7 @@ precision, state saving and trackers. See uptrain/train/config.py for every conf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -41,6 +42,7 @@ from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_acceler
 from uptrain.train.setup import (
     RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
 )
+from uptrain.train.teacher_samples import ensure_teacher_samples
 from uptrain.train.trainable import apply_trainable, trainable_line
 from uptrain.train.validate import validate_blocks
 
@@ -110,8 +112,12 @@ def setup_run(config: TrainConfig) -> Run:
         # the blocks the interrupted run consumed (the checkpoint's data position).
         consumed = state["samples"]
     tokenizer = check_models(config)
+    data_config, samples_line = config, None
+    if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
+        source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator)
+        data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
     set_seed(config.seed)
-    train_blocks, val_blocks, n_available = build_data(config, tokenizer, plan, accelerator, consumed)
+    train_blocks, val_blocks, n_available = build_data(data_config, tokenizer, plan, accelerator, consumed)
     check_validation_size(config, len(val_blocks))
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:
@@ -133,7 +139,9 @@ def setup_run(config: TrainConfig) -> Run:
 
     n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
     n_trained = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
-    accelerator.print(plan.describe(config, world, n_params, n_available, len(val_blocks)))
+    accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
+    if samples_line:
+        accelerator.print(samples_line)
     accelerator.print(trainable_line(config.trainable, n_trained, n_params))
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
