@@ -70,9 +70,18 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
         for prompt, row in zip(rows, out[:, width:].tolist()):
             new = row[:row.index(eos) + 1] if eos in row else row  # up to and with the first EOS
             n_tokens += len(new)
-            text = tokenizer.decode(prompt + new, skip_special_tokens=True).strip()
-            if text:
-                texts.append(text)
+            # A BOS inside the sample starts a new document (llama2.c models such as stories260K
+            # separate documents by BOS and never emit EOS).
+            segments, current = [], []
+            for token in prompt + new:
+                if token == start and current:
+                    segments.append(current)
+                    current = []
+                current.append(token)
+            for segment in [*segments, current]:
+                text = tokenizer.decode(segment, skip_special_tokens=True).strip()
+                if text:
+                    texts.append(text)
             if n_tokens >= ts.tokens:
                 break
         index += 1
