@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, GQA4, need_models, tiny_overrides
+from train_helpers import DEMO, GQA4, need_models, tiny_overrides, train_losses
 from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
+from uptrain.train.run_state import complete_checkpoints
 from uptrain.train.trainable import is_trainable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -71,3 +74,46 @@ def test_registry_names_are_matched(name, attention, kv):
     assert is_trainable(name, "all")
     assert is_trainable(name, "attention") == attention
     assert is_trainable(name, "kv") == kv
+
+
+def test_stages_train_kv_first_then_all_and_resume_inside_the_schedule(tmp_path, capsys):
+    need_models()
+    run_dir = tmp_path / "run"
+    # 6 steps of 512 tokens: kv for steps 1-4 (2,048 tokens), then all for steps 5-6.
+    args = tiny_overrides(run_dir, steps=6, threads=1, trainable="all", **{
+        "trainable_stages": "[{trainable: kv, tokens: 2048}]", "checkpoint.every": 2, "checkpoint.keep": 3})
+    train(load_config(DEMO, args))
+    assert "trainable stages: kv for steps 1-4, then all for steps 5-6" in capsys.readouterr().out
+    start = _weights(GQA4)
+    after_kv = _weights(run_dir / "checkpoints" / "checkpoint-00000002")
+    end = _weights(run_dir / "model")
+    for name in start:
+        kv = any(f".self_attn.{p}_proj." in name for p in "qkvo")
+        assert torch.equal(start[name], after_kv[name]) != kv, name  # kv stage: only q/k/v/o moved
+        assert not torch.equal(start[name], end[name]), name  # stage 2: everything trained
+    reference = train_losses(run_dir)
+
+    # Resumed from the checkpoint of step 2, inside the kv stage: still kv only, then all; same losses.
+    shutil.rmtree(run_dir / "model")
+    (run_dir / "finished.json").unlink()
+    for checkpoint in complete_checkpoints(run_dir)[1:]:
+        shutil.rmtree(checkpoint)
+    train(load_config(DEMO, args + ["resume=latest"]))
+    resumed = train_losses(run_dir)
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"trainable_stages": "[{trainable: kv, tokens: 4096}]"}, "trainable_stages take 4,096 tokens, more than the budget of 2,048"),
+    ({"trainable_stages": "[{trainable: mlp, tokens: 512}]"}, "unknown trainable 'mlp'"),
+    ({"trainable_stages": "[{trainable: kv, tokens: 100}]"}, "less than one optimizer step of 512 tokens"),
+])
+def test_bad_stages_refused_before_any_work(tmp_path, capsys, extra, message):
+    need_models()
+    run_dir = tmp_path / "run"
+    assert main([str(DEMO), *tiny_overrides(run_dir, **extra)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert not run_dir.exists()

@@ -113,6 +113,14 @@ class LogConfig:
 
 
 @dataclass
+class TrainableStage:
+    """One stage of `trainable_stages`: train `trainable` for `tokens` tokens."""
+
+    trainable: str = "all"
+    tokens: int = 0
+
+
+@dataclass
 class TrainConfig:
     """One uptraining run of a Hugging Face causal LM."""
 
@@ -128,6 +136,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     trainable: str = "all"  # all, attention (every attention-module parameter) or kv (q/k/v/o projections);
     # the rest is frozen (see uptrain/train/trainable.py)
+    trainable_stages: list[TrainableStage] = field(default_factory=list)  # run these first, in order (e.g.
+    # [{trainable: kv, tokens: 1e6}]), then `trainable` for the rest of the budget
     threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
@@ -174,6 +184,10 @@ class TrainConfig:
             if not ok:
                 raise UsageError(message)
         check_trainable(self.trainable)
+        for i, stage in enumerate(self.trainable_stages):
+            check_trainable(stage.trainable)
+            if stage.tokens < 1:
+                raise UsageError(f"trainable_stages[{i}].tokens must be at least 1")
         b = self.budget
         if (b.tokens is None) == (b.fraction is None):
             raise UsageError("budget: give either budget.tokens or budget.fraction (with budget.pretrain_tokens)")
@@ -181,6 +195,9 @@ class TrainConfig:
             raise UsageError("budget.fraction must be in (0, 1] and needs budget.pretrain_tokens")
         if b.total_tokens() <= 0:
             raise UsageError("budget must be a positive number of tokens")
+        staged = sum(stage.tokens for stage in self.trainable_stages)
+        if staged > b.total_tokens():
+            raise UsageError(f"trainable_stages take {staged:,} tokens, more than the budget of {b.total_tokens():,}")
         self.data.train.validate()
         if self.data.train.teacher_samples is not None and not self.distill.teacher:
             raise UsageError("data.train.teacher_samples needs distill.teacher: the teacher writes the samples "

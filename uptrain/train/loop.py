@@ -43,7 +43,9 @@ from uptrain.train.setup import (
     RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
 )
 from uptrain.train.teacher_samples import ensure_teacher_samples
-from uptrain.train.trainable import apply_trainable, trainable_line
+from uptrain.errors import UsageError
+from uptrain.train.trainable import (apply_trainable, set_trainable, stage_steps, stages_line, trainable_at,
+                                     trainable_line)
 from uptrain.train.validate import validate_blocks
 
 
@@ -67,6 +69,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     loader: DataLoader
     metrics: MetricsLog
+    trainable_ranges: list = dataclasses.field(default_factory=list)  # (first, end step, trainable) per stage
 
     def log(self, record: dict) -> None:
         """One metrics record to metrics.jsonl and to the trackers."""
@@ -102,6 +105,11 @@ def setup_run(config: TrainConfig) -> Run:
     apply_threads(config.threads)
     check_deepspeed(config, deepspeed_facts(accelerator))
     plan = plan_run(config, world)
+    ranges = []
+    if config.trainable_stages:
+        if world > 1:  # DDP/FSDP fix the set of parameters with gradients when they wrap the model
+            raise UsageError("trainable_stages runs in one process for now; use one process or a single trainable")
+        ranges = stage_steps(config.trainable_stages, plan.tokens_per_step, plan.steps, config.trainable)
     config_dict = to_dict(config)
     resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
     consumed = 0
@@ -143,15 +151,17 @@ def setup_run(config: TrainConfig) -> Run:
     if samples_line:
         accelerator.print(samples_line)
     accelerator.print(trainable_line(config.trainable, n_trained, n_params))
+    if ranges:
+        accelerator.print(stages_line(ranges))
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
-               model, teacher, optimizer, loader, metrics)
+               model, teacher, optimizer, loader, metrics, ranges)
 
 
 def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model to train (fp32 master weights) and the frozen teacher, if distilling."""
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
-    apply_trainable(model, config.trainable)  # frozen parameters: requires_grad False, not in the optimizer
+    apply_trainable(model, config.trainable, *(s.trainable for s in config.trainable_stages))  # frozen parameters: requires_grad False, not in the optimizer
     model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
     if config.gradient_checkpointing:
         # Recompute activations in backward: less memory, more compute (renamed in transformers 5.x).
@@ -202,7 +212,11 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
     bar = tqdm(total=plan.steps, initial=start_step,
                disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
+    current = None
     for step in range(start_step, plan.steps):
+        if run.trainable_ranges and trainable_at(run.trainable_ranges, step) != current:
+            current = trainable_at(run.trainable_ranges, step)
+            set_trainable(accelerator.unwrap_model(model), current)  # a new stage (or a resume inside one)
         lr = lr_at(step, plan.steps, config.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr

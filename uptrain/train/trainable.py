@@ -53,11 +53,11 @@ def is_trainable(name: str, value: str) -> bool:
     return pattern is None or bool(pattern.search(name))
 
 
-def apply_trainable(model: torch.nn.Module, value: str) -> tuple[int, int]:
-    """Freeze what `value` does not train; return (trainable, total) parameter counts."""
+def apply_trainable(model: torch.nn.Module, value: str, *others: str) -> tuple[int, int]:
+    """Freeze what neither `value` nor any of `others` trains; return (trainable, total) parameter counts."""
     trained = total = 0
     for name, param in model.named_parameters():
-        keep = is_trainable(name, value)
+        keep = any(is_trainable(name, v) for v in (value, *others))
         param.requires_grad_(keep)
         total += param.numel()
         trained += param.numel() if keep else 0
@@ -69,3 +69,36 @@ def apply_trainable(model: torch.nn.Module, value: str) -> tuple[int, int]:
 def trainable_line(value: str, trained: int, total: int) -> str:
     """The plan's line: `trainable: kv (N of M parameters)`."""
     return f"trainable: {value} ({trained:,} of {total:,} parameters)"
+
+
+def stage_steps(stages: list, tokens_per_step: int, steps: int, final: str) -> list[tuple[int, int, str]]:
+    """`trainable_stages` as (first step, end step, trainable) ranges of 0-based optimizer steps,
+    the rest of the run (if any) with `final`; UsageError for a stage shorter than one step."""
+    ranges, start = [], 0
+    for i, stage in enumerate(stages):
+        n = stage.tokens // tokens_per_step
+        if n < 1:
+            raise UsageError(f"trainable_stages[{i}] has {stage.tokens:,} tokens, less than one optimizer step of "
+                             f"{tokens_per_step:,} tokens; give it more tokens")
+        ranges.append((start, start + n, stage.trainable))
+        start += n
+    if start < steps:
+        ranges.append((start, steps, final))
+    return ranges
+
+
+def trainable_at(ranges: list[tuple[int, int, str]], step: int) -> str:
+    """What trains at 0-based optimizer step `step`."""
+    return next(value for first, end, value in ranges if first <= step < end)
+
+
+def set_trainable(model: torch.nn.Module, value: str) -> None:
+    """Let only `value`'s parameters get gradients (a stage switch; the optimizer keeps every
+    parameter any stage trains and skips those without a gradient: no update, no weight decay)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_trainable(name, value))
+
+
+def stages_line(ranges: list[tuple[int, int, str]]) -> str:
+    """The plan's line for a staged run (1-based steps)."""
+    return "trainable stages: " + ", then ".join(f"{v} for steps {a + 1}-{b}" for a, b, v in ranges)
