@@ -109,3 +109,27 @@ def test_teacher_with_another_tokenizer_refused_before_generating(tmp_path, gqa2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: ") and "do not share a tokenizer" in last, last
     assert not run_dir.exists()
+
+
+def test_generation_is_seeded_and_starts_from_the_prompts(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from uptrain.train.sources import TeacherSamples
+    from uptrain.train.teacher_samples import generate_documents
+
+    model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n\nTom had a red ball\n")
+    cpu = torch.device("cpu")
+
+    def sample(seed, path=prompts):
+        ts = TeacherSamples(tokens=200, max_new_tokens=32, batch=8, seed=seed, prompts=str(path) if path else None)
+        return generate_documents(model, tok, ts, cpu)
+
+    texts, n = sample(0)
+    assert n >= 200 and texts
+    assert all(t.startswith(("Once upon a time", "Tom had a red ball")) for t in texts), texts
+    assert {t[:4] for t in texts} == {"Once", "Tom "}  # both prompts drawn
+    assert sample(0) == (texts, n)  # seeded: the same documents again
+    assert sample(1)[0] != texts
+    assert sample(0, None)[0] != texts  # from BOS: no prompt

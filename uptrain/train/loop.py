@@ -302,7 +302,8 @@ def finish_run(run: Run, last_record: dict) -> dict:
         "global batch (sequences x seq_len)": f"{plan.sequences_per_step} x {config.data.seq_len}",
         "processes": accelerator.num_processes, "peak lr": config.optim.lr,
         "distillation teacher": config.distill.teacher or "none",
-        "training data": config.data.train.files or config.data.train.dataset,
+        "training data": config.data.train.files or config.data.train.dataset
+        or ("samples of the teacher" if config.data.train.teacher_samples else None),
         "val loss before / after": f"{start_val if start_val is None else round(start_val, 4)} / {final_eval['val_loss']:.4f}",
         "val perplexity after": round(final_eval["val_ppl"], 3), "mixed precision": accelerator.mixed_precision,
     }
