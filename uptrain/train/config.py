@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from uptrain.train.sources import DataSource
+from uptrain.train.trainable import check_trainable
 from uptrain.errors import UsageError
 
 
@@ -112,6 +113,14 @@ class LogConfig:
 
 
 @dataclass
+class TrainableStage:
+    """One stage of `trainable_stages`: train `trainable` for `tokens` tokens."""
+
+    trainable: str = "all"
+    tokens: int = 0
+
+
+@dataclass
 class TrainConfig:
     """One uptraining run of a Hugging Face causal LM."""
 
@@ -125,6 +134,10 @@ class TrainConfig:
     mixed_precision: str | None = None  # no, bf16, fp16; None: the launcher's (accelerate config/flag), else no
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the model
+    trainable: str = "all"  # all, attention (every attention-module parameter) or kv (q/k/v/o projections);
+    # the rest is frozen (see uptrain/train/trainable.py)
+    trainable_stages: list[TrainableStage] = field(default_factory=list)  # run these first, in order (e.g.
+    # [{trainable: kv, tokens: 1e6}]), then `trainable` for the rest of the budget
     threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
@@ -170,6 +183,11 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        check_trainable(self.trainable)
+        for i, stage in enumerate(self.trainable_stages):
+            check_trainable(stage.trainable)
+            if stage.tokens < 1:
+                raise UsageError(f"trainable_stages[{i}].tokens must be at least 1")
         b = self.budget
         if (b.tokens is None) == (b.fraction is None):
             raise UsageError("budget: give either budget.tokens or budget.fraction (with budget.pretrain_tokens)")
@@ -177,7 +195,13 @@ class TrainConfig:
             raise UsageError("budget.fraction must be in (0, 1] and needs budget.pretrain_tokens")
         if b.total_tokens() <= 0:
             raise UsageError("budget must be a positive number of tokens")
+        staged = sum(stage.tokens for stage in self.trainable_stages)
+        if staged > b.total_tokens():
+            raise UsageError(f"trainable_stages take {staged:,} tokens, more than the budget of {b.total_tokens():,}")
         self.data.train.validate()
+        if self.data.train.teacher_samples is not None and not self.distill.teacher:
+            raise UsageError("data.train.teacher_samples needs distill.teacher: the teacher writes the samples "
+                             "(and is distilled from on them)")
         if self.data.train.streaming and self.data.val is None:
             raise UsageError("a streaming data.train needs a separate validation source: give data.val")
         if self.data.val is not None and self.data.val.streaming and self.eval.max_batches is None:
@@ -185,6 +209,8 @@ class TrainConfig:
         if self.data.shuffle_buffer < 0 or (self.data.shuffle_buffer and not self.data.train.streaming):
             raise UsageError("data.shuffle_buffer must be >= 0 and applies only to a streaming data.train")
         if self.data.val is not None:
+            if self.data.val.teacher_samples is not None:
+                raise UsageError("teacher_samples is for data.train only; give data.val files or a dataset")
             self.data.val.validate()
 
 
@@ -259,7 +285,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 # Fields holding local paths. In a config FILE, relative paths are relative to that file's
 # folder (so a config works from any working directory); on the command line (`key=value`),
 # relative to the working directory, as a shell user expects.
-_PATH_FIELDS = ("run_dir", "resume", "data.train.files", "data.val.files")
+_PATH_FIELDS = ("run_dir", "resume", "data.train.files", "data.val.files", "data.train.teacher_samples.prompts")
 # Fields that may also name a Hub model: resolved only when written as a path (./, ../) or
 # when the path exists beside the config.
 _MODEL_FIELDS = ("model", "tokenizer", "distill.teacher")

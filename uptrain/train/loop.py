@@ -14,6 +14,7 @@ precision, state saving and trackers. See uptrain/train/config.py for every conf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -41,6 +42,10 @@ from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_acceler
 from uptrain.train.setup import (
     RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
 )
+from uptrain.train.teacher_samples import ensure_teacher_samples
+from uptrain.errors import UsageError
+from uptrain.train.trainable import (apply_trainable, set_trainable, stage_steps, stages_line, trainable_at,
+                                     trainable_line)
 from uptrain.train.validate import validate_blocks
 
 
@@ -64,6 +69,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     loader: DataLoader
     metrics: MetricsLog
+    trainable_ranges: list = dataclasses.field(default_factory=list)  # (first, end step, trainable) per stage
 
     def log(self, record: dict) -> None:
         """One metrics record to metrics.jsonl and to the trackers."""
@@ -99,6 +105,11 @@ def setup_run(config: TrainConfig) -> Run:
     apply_threads(config.threads)
     check_deepspeed(config, deepspeed_facts(accelerator))
     plan = plan_run(config, world)
+    ranges = []
+    if config.trainable_stages:
+        if world > 1:  # DDP/FSDP fix the set of parameters with gradients when they wrap the model
+            raise UsageError("trainable_stages runs in one process for now; use one process or a single trainable")
+        ranges = stage_steps(config.trainable_stages, plan.tokens_per_step, plan.steps, config.trainable)
     config_dict = to_dict(config)
     resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
     consumed = 0
@@ -109,8 +120,12 @@ def setup_run(config: TrainConfig) -> Run:
         # the blocks the interrupted run consumed (the checkpoint's data position).
         consumed = state["samples"]
     tokenizer = check_models(config)
+    data_config, samples_line = config, None
+    if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
+        source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator)
+        data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
     set_seed(config.seed)
-    train_blocks, val_blocks, n_available = build_data(config, tokenizer, plan, accelerator, consumed)
+    train_blocks, val_blocks, n_available = build_data(data_config, tokenizer, plan, accelerator, consumed)
     check_validation_size(config, len(val_blocks))
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:
@@ -131,15 +146,22 @@ def setup_run(config: TrainConfig) -> Run:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-    accelerator.print(plan.describe(config, world, n_params, n_available, len(val_blocks)))
+    n_trained = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
+    accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
+    if samples_line:
+        accelerator.print(samples_line)
+    accelerator.print(trainable_line(config.trainable, n_trained, n_params))
+    if ranges:
+        accelerator.print(stages_line(ranges))
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
-               model, teacher, optimizer, loader, metrics)
+               model, teacher, optimizer, loader, metrics, ranges)
 
 
 def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model to train (fp32 master weights) and the frozen teacher, if distilling."""
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    apply_trainable(model, config.trainable, *(s.trainable for s in config.trainable_stages))  # frozen parameters: requires_grad False, not in the optimizer
     model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
     if config.gradient_checkpointing:
         # Recompute activations in backward: less memory, more compute (renamed in transformers 5.x).
@@ -190,7 +212,11 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
     bar = tqdm(total=plan.steps, initial=start_step,
                disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
+    current = None
     for step in range(start_step, plan.steps):
+        if run.trainable_ranges and trainable_at(run.trainable_ranges, step) != current:
+            current = trainable_at(run.trainable_ranges, step)
+            set_trainable(accelerator.unwrap_model(model), current)  # a new stage (or a resume inside one)
         lr = lr_at(step, plan.steps, config.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -276,7 +302,8 @@ def finish_run(run: Run, last_record: dict) -> dict:
         "global batch (sequences x seq_len)": f"{plan.sequences_per_step} x {config.data.seq_len}",
         "processes": accelerator.num_processes, "peak lr": config.optim.lr,
         "distillation teacher": config.distill.teacher or "none",
-        "training data": config.data.train.files or config.data.train.dataset,
+        "training data": config.data.train.files or config.data.train.dataset
+        or ("samples of the teacher" if config.data.train.teacher_samples else None),
         "val loss before / after": f"{start_val if start_val is None else round(start_val, 4)} / {final_eval['val_loss']:.4f}",
         "val perplexity after": round(final_eval["val_ppl"], 3), "mixed precision": accelerator.mixed_precision,
     }

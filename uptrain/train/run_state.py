@@ -26,7 +26,7 @@ STATE_FILE = "trainer_state.json"
 RUN_FILE = "run.yaml"
 # Config sections that decide the data order and the optimisation trajectory: a resumed run must
 # match them, or it would not continue the same run.
-_RUN_IDENTITY = ("model", "tokenizer", "seed", "data", "budget", "batch", "optim", "distill")
+_RUN_IDENTITY = ("model", "tokenizer", "seed", "data", "budget", "batch", "optim", "distill", "trainable", "trainable_stages")
 FINISHED_FILE = "finished.json"  # written last by a run that completed its budget
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE)
 

@@ -22,6 +22,7 @@ from uptrain.errors import UsageError
 from uptrain.train.packing import (StreamSchedule, load_blocks, load_split_blocks, load_stream_blocks,
                                    schedule_blocks)
 from uptrain.train.config import OptimConfig, TrainConfig
+from uptrain.train.trainable import check_trainable_model
 
 
 def _model_config(path: str, role: str):
@@ -52,6 +53,8 @@ def check_models(config: TrainConfig) -> PreTrainedTokenizerBase:
     if positions and config.data.seq_len > positions:
         raise UsageError(f"data.seq_len={config.data.seq_len} is beyond the {positions} positions of model "
                          f"{config.model} (max_position_embeddings); use data.seq_len<={positions}")
+    for value in {config.trainable, *(s.trainable for s in config.trainable_stages)}:
+        check_trainable_model(value, student.model_type, config.model)
     tokenizer = _tokenizer(config.tokenizer or config.model)
     if config.distill.teacher:
         teacher = _model_config(config.distill.teacher, "distill.teacher")

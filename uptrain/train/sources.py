@@ -20,6 +20,33 @@ TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}
 
 
 @dataclass
+class TeacherSamples:
+    """Training text written by the distillation teacher itself (when its pre-training data is not at hand).
+
+    The teacher samples documents until `tokens` new tokens are generated: each from the BOS token,
+    or from a prompt (a non-empty line of the `prompts` .txt file, drawn with the seed), up to
+    `max_new_tokens` new tokens or EOS, `batch` sequences at a time with the KV cache.
+    """
+
+    tokens: int = 0  # new tokens to generate in all (e.g. a little over the budget, or use repeat_data)
+    max_new_tokens: int = 256  # longest document (new tokens)
+    temperature: float = 1.0
+    top_p: float = 0.95
+    batch: int = 64  # sequences generated together
+    seed: int = 0
+    prompts: str | None = None  # optional .txt file, one short prompt per line
+
+    def validate(self) -> None:
+        """Raise UsageError on values that cannot work."""
+        if self.tokens < 1 or self.max_new_tokens < 1 or self.batch < 1:
+            raise UsageError("data.train.teacher_samples: tokens, max_new_tokens and batch must be at least 1")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise UsageError("data.train.teacher_samples: temperature must be > 0 and top_p in (0, 1]")
+        if self.prompts is not None and not Path(self.prompts).is_file():
+            raise UsageError(f"data.train.teacher_samples.prompts file not found: {self.prompts}; check the path")
+
+
+@dataclass
 class DataSource:
     """A text source: a Hub dataset (`dataset`, `config`, `split`) or local `files`.
 
@@ -38,9 +65,15 @@ class DataSource:
     text_field: str = "text"
     text_unit: str = "paragraph"  # .txt files: line, paragraph or file (see TEXT_UNITS)
     streaming: bool = False
+    teacher_samples: TeacherSamples | None = None  # data.train only: the teacher's own text (needs distill.teacher)
 
     def validate(self) -> None:
         """Raise UsageError when the source is not usable as given."""
+        if self.teacher_samples is not None:
+            if self.dataset or self.files or self.streaming:
+                raise UsageError("teacher_samples is a data source of its own: give no dataset, files or streaming with it")
+            self.teacher_samples.validate()
+            return
         if bool(self.dataset) == bool(self.files):
             raise UsageError("give either a Hub dataset name or local files as the data source, not both or neither")
         if self.text_unit not in TEXT_UNITS:

@@ -1,0 +1,135 @@
+"""`data.train.teacher_samples`: uptraining on the teacher's own text (real stories260K MHA8 -> GQA2, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
+from train_helpers import DEMO, MHA8, TRAIN_TXT, VALID_TXT, read_metrics, tiny_overrides, train_losses
+from uptrain.convert import convert
+from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.train import train
+from uptrain.train.__main__ import main
+from uptrain.train.config import load_config
+from uptrain.train.run_state import complete_checkpoints
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def gqa2(tmp_path_factory):
+    """stories260K MHA8 pooled to 2 K/V heads: lossy, so training has something to recover."""
+    out = tmp_path_factory.mktemp("gqa2") / "stories260K-gqa2"
+    convert(str(MHA8), out, 2)
+    return out
+
+
+def _samples_args(run_dir, model, **extra):
+    return tiny_overrides(run_dir, steps=STEPS, **{
+        "model": model, "distill.teacher": MHA8, "data.train.files": "null", "threads": 1,
+        "data.train.teacher_samples": "{tokens: 6000, max_new_tokens: 128, batch: 64, temperature: 1.0, top_p: 0.95, seed: 0}",
+        "data.repeat_data": "true", "checkpoint.every": 4, "checkpoint.keep": 2, **extra})
+
+
+def _held_out_loss(path) -> float:
+    model, tokenizer = load_model(str(path))
+    texts = [t for t in VALID_TXT.read_text().split("\n\n") if t.strip()][:40]
+    return evaluate(model, tokenize_texts(tokenizer, texts), 512, 256).loss
+
+
+def test_teacher_samples_train_resume_and_compare_with_file_data(tmp_path, gqa2, capsys):
+    run_dir = tmp_path / "samples"
+    args = _samples_args(run_dir, gqa2)
+    train(load_config(DEMO, args))
+    out = capsys.readouterr().out
+    samples = run_dir / "teacher_samples" / "samples.jsonl"
+    meta = json.loads((run_dir / "teacher_samples" / "meta.json").read_text())
+    assert meta["tokens"] >= 6000 and meta["documents"] == len(samples.read_text().splitlines()) > 10
+    assert all(json.loads(line)["text"].strip() for line in samples.read_text().splitlines())
+    assert "teacher samples:" in out and "generated into" in out and "samples/s" in out and "tokens/s" in out
+    assert str(samples) in out  # the plan's train data is the samples file
+    reference = train_losses(run_dir)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    assert all("kd_loss" in r for r in read_metrics(run_dir) if "loss" in r)  # distilled from the same teacher
+
+    # Interrupted after the checkpoint of step 4: the resumed run reuses the written samples
+    # (not regenerated: same bytes, same file) and reproduces the uninterrupted losses.
+    before = samples.read_bytes(), samples.stat().st_mtime_ns
+    shutil.rmtree(run_dir / "model")
+    (run_dir / "finished.json").unlink()
+    shutil.rmtree(complete_checkpoints(run_dir)[-1])
+    train(load_config(DEMO, args + ["resume=latest"]))
+    assert "reused from" in capsys.readouterr().out
+    assert (samples.read_bytes(), samples.stat().st_mtime_ns) == before
+    resumed = train_losses(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
+
+    # The same budget on the TinyStories file data, for comparison on held-out real text.
+    file_dir = tmp_path / "files"
+    train(load_config(DEMO, tiny_overrides(file_dir, steps=STEPS, **{
+        "model": gqa2, "distill.teacher": MHA8, "threads": 1, "data.train.files": f"[{TRAIN_TXT}]"})))
+    losses = {name: _held_out_loss(path) for name, path in [
+        ("teacher MHA8", MHA8), ("converted GQA2 (start)", gqa2),
+        ("uptrained on teacher samples", run_dir / "model"), ("uptrained on file data", file_dir / "model")]}
+    with capsys.disabled():
+        print(f"\nheld-out loss on {VALID_TXT.name} (40 stories), {STEPS} steps x 512 tokens:")
+        for name, loss in losses.items():
+            print(f"  {name:32s} {loss:.4f}")
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses["uptrained on teacher samples"] < losses["converted GQA2 (start)"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"distill.teacher": "null"}, "data.train.teacher_samples needs distill.teacher"),
+    ({"data.train.teacher_samples": "{tokens: 0}"}, "tokens, max_new_tokens and batch must be at least 1"),
+    ({"data.train.teacher_samples": "{tokens: 100, top_p: 0}"}, "top_p in (0, 1]"),
+    ({"data.train.files": f"[{TRAIN_TXT}]"}, "teacher_samples is a data source of its own"),
+    ({"data.train.teacher_samples": "{tokens: 100, prompts: /nonexistent/prompts.txt}"}, "prompts file not found"),
+])
+def test_bad_teacher_samples_refused_before_any_work(tmp_path, gqa2, capsys, extra, message):
+    run_dir = tmp_path / "run"
+    assert main([str(DEMO), *_samples_args(run_dir, gqa2, **extra)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
+    assert not run_dir.exists()
+
+
+def test_teacher_with_another_tokenizer_refused_before_generating(tmp_path, gqa2, capsys):
+    from test_train_config import _teacher_with_other_vocab
+    run_dir = tmp_path / "run"
+    args = _samples_args(run_dir, gqa2, **{"distill.teacher": _teacher_with_other_vocab(tmp_path)})
+    assert main([str(DEMO), *args]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "do not share a tokenizer" in last, last
+    assert not run_dir.exists()
+
+
+def test_generation_is_seeded_and_starts_from_the_prompts(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from uptrain.train.sources import TeacherSamples
+    from uptrain.train.teacher_samples import generate_documents
+
+    model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n\nTom had a red ball\n")
+    cpu = torch.device("cpu")
+
+    def sample(seed, path=prompts):
+        ts = TeacherSamples(tokens=200, max_new_tokens=32, batch=8, seed=seed, prompts=str(path) if path else None)
+        return generate_documents(model, tok, ts, cpu)
+
+    texts, n = sample(0)
+    assert n >= 200 and texts
+    assert all(t.startswith(("Once upon a time", "Tom had a red ball")) for t in texts), texts
+    assert {t[:4] for t in texts} == {"Once", "Tom "}  # both prompts drawn
+    assert sample(0) == (texts, n)  # seeded: the same documents again
+    assert sample(1)[0] != texts
+    assert sample(0, None)[0] != texts  # from BOS: no prompt

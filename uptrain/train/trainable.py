@@ -1,0 +1,104 @@
+"""Which parameters an uptraining run trains (config field `trainable`); the rest are frozen.
+
+    all        every parameter (the default)
+    attention  every parameter inside each layer's attention module: the q/k/v/o projections
+               (separate or fused), their biases, and the norms that live in the attention
+               module (q/k norms: Qwen3, Gemma3, OLMo2, Cohere, StableLM's per-head k norms)
+    kv         the K/V projections and what a function-preserving conversion compensates: the
+               q, k, v and output projections (weights and biases), no norms. Fused families
+               (Phi-3 qkv_proj, Falcon query_key_value, GPTBigCode c_attn) train the fused matrix.
+
+The names are those of the converter's registry (uptrain/convert/architectures.py): every family
+it converts keeps attention in a module named self_attn, self_attention, attention or attn, with
+the projections named below. Frozen parameters get requires_grad=False, so the optimizer (which
+takes only parameters that need gradients) never sees them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from uptrain.convert.architectures import supported_model_types
+from uptrain.errors import UsageError
+
+_ATTN = r"(?:^|\.)(?:self_attn|self_attention|attention|attn)\."
+# q / k / v / output projections of every registry family: Llama-style q_proj..o_proj, Phi `dense`,
+# Phi-3 fused qkv_proj, Falcon query_key_value + dense, GPTBigCode c_attn + c_proj.
+_PROJ = r"(?:q_proj|k_proj|v_proj|o_proj|dense|qkv_proj|query_key_value|c_attn|c_proj)\.(?:weight|bias)$"
+TRAINABLE = {
+    "all": None,
+    "attention": re.compile(_ATTN),
+    "kv": re.compile(_ATTN + _PROJ),
+}
+
+
+def check_trainable(value: str) -> None:
+    """UsageError unless `value` names a set of parameters."""
+    if value not in TRAINABLE:
+        raise UsageError(f"unknown trainable {value!r}; use one of {', '.join(TRAINABLE)}")
+
+
+def check_trainable_model(value: str, model_type: str, model: str) -> None:
+    """UsageError when `value` restricts training on a model whose names the registry does not know."""
+    if value != "all" and model_type not in supported_model_types():
+        raise UsageError(f"trainable={value} selects parameters by the converter registry's names, which do not "
+                         f"cover model type {model_type!r} of {model}; use trainable=all")
+
+
+def is_trainable(name: str, value: str) -> bool:
+    """Whether parameter `name` is trained under `trainable=value`."""
+    pattern = TRAINABLE[value]
+    return pattern is None or bool(pattern.search(name))
+
+
+def apply_trainable(model: torch.nn.Module, value: str, *others: str) -> tuple[int, int]:
+    """Freeze what neither `value` nor any of `others` trains; return (trainable, total) parameter counts."""
+    trained = total = 0
+    for name, param in model.named_parameters():
+        keep = any(is_trainable(name, v) for v in (value, *others))
+        param.requires_grad_(keep)
+        total += param.numel()
+        trained += param.numel() if keep else 0
+    if trained == 0:
+        raise UsageError(f"trainable={value} matches no parameter of this model; use trainable=all")
+    return trained, total
+
+
+def trainable_line(value: str, trained: int, total: int) -> str:
+    """The plan's line: `trainable: kv (N of M parameters)`."""
+    return f"trainable: {value} ({trained:,} of {total:,} parameters)"
+
+
+def stage_steps(stages: list, tokens_per_step: int, steps: int, final: str) -> list[tuple[int, int, str]]:
+    """`trainable_stages` as (first step, end step, trainable) ranges of 0-based optimizer steps,
+    the rest of the run (if any) with `final`; UsageError for a stage shorter than one step."""
+    ranges, start = [], 0
+    for i, stage in enumerate(stages):
+        n = stage.tokens // tokens_per_step
+        if n < 1:
+            raise UsageError(f"trainable_stages[{i}] has {stage.tokens:,} tokens, less than one optimizer step of "
+                             f"{tokens_per_step:,} tokens; give it more tokens")
+        ranges.append((start, start + n, stage.trainable))
+        start += n
+    if start < steps:
+        ranges.append((start, steps, final))
+    return ranges
+
+
+def trainable_at(ranges: list[tuple[int, int, str]], step: int) -> str:
+    """What trains at 0-based optimizer step `step`."""
+    return next(value for first, end, value in ranges if first <= step < end)
+
+
+def set_trainable(model: torch.nn.Module, value: str) -> None:
+    """Let only `value`'s parameters get gradients (a stage switch; the optimizer keeps every
+    parameter any stage trains and skips those without a gradient: no update, no weight decay)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_trainable(name, value))
+
+
+def stages_line(ranges: list[tuple[int, int, str]]) -> str:
+    """The plan's line for a staged run (1-based steps)."""
+    return "trainable stages: " + ", then ".join(f"{v} for steps {a + 1}-{b}" for a, b, v in ranges)
