@@ -1,8 +1,10 @@
 """`python -m uptrain.demo`: the whole job on the embedded tiny model, end to end on CPU.
 
 Converts the real pretrained stories260K Llama in MHA form (8 K/V heads, `examples/`) to 2 K/V
-heads by mean pooling, uptrains it on TinyStories text with `configs/demo-cpu.yaml`, and prints
-the held-out loss before conversion, after conversion and after uptraining, with the KV cache.
+heads (by default with `--method fit` calibrated on the training sample; `--method mean` is the
+paper's pooling), uptrains it on TinyStories text with `configs/demo-cpu.yaml` (by default
+distilling from the MHA source), and prints the held-out loss before conversion, after
+conversion and after uptraining, with the KV cache.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog=prog_name("uptrain.demo"), description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (replaced)")
     p.add_argument("--kv-heads", type=positive_int, default=2, help="K/V heads after conversion (of 8)")
+    p.add_argument("--method", choices=["mean", "first", "random", "fit"], default="fit",
+                   help="conversion method (fit: least squares with Q/O compensation; mean: the paper's)")
+    p.add_argument("--calib-tokens", type=int, default=16384,
+                   help="--method fit: calibration tokens from the training sample (0: weights only)")
+    p.add_argument("--alpha-kd", type=float, default=0.5,
+                   help="share of the distillation loss from the MHA source (0: plain LM uptraining)")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
     p.add_argument("--valid", type=Path, default=VALID,
@@ -60,11 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     valid = read_texts(DataSource(files=[str(args.valid)]), args.stories)
     torch.manual_seed(0)
 
+    train_text = EXAMPLES / "data" / "tinystories-train-sample.txt"
+    calibration = None
+    if args.method == "fit" and args.calib_tokens > 0:
+        from uptrain.convert.calibrate import Calibration
+
+        calibration = Calibration(train_text, args.calib_tokens, "cpu")
+    how = args.method + (f", calibrated on {args.calib_tokens:,} tokens of {train_text.name}" if calibration else "")
     converted = args.out / f"stories260K-gqa{args.kv_heads}"
-    print(f"== convert {source.relative_to(REPO)} to {args.kv_heads} K/V heads (mean pooling)")
-    convert(str(source), converted, args.kv_heads, force=True)
+    print(f"== convert {source.relative_to(REPO)} to {args.kv_heads} K/V heads ({how})")
+    convert(str(source), converted, args.kv_heads, args.method, force=True, calibration=calibration)
     rows = [("MHA source (8 K/V heads)", *held_out_loss(source, valid)),
-            (f"GQA-{args.kv_heads}, converted", *held_out_loss(converted, valid))]
+            (f"GQA-{args.kv_heads}, converted ({args.method})", *held_out_loss(converted, valid))]
 
     if not args.skip_uptrain:
         from uptrain.train import train
@@ -72,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.out / "uptrain"
         print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}")
         data = EXAMPLES / "data"
+        distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
         config = load_config(CONFIG, [f"model={converted}", f"run_dir={run_dir}", "overwrite=true",
                                       f"data.train.files=[{data / 'tinystories-train-sample.txt'}]",
-                                      f"data.val.files=[{args.valid}]",
+                                      f"data.val.files=[{args.valid}]", *distill,
                                       *args.overrides])
         train(config)
-        rows.append((f"GQA-{args.kv_heads}, uptrained", *held_out_loss(run_dir / "model", valid)))
+        kd = f", distilled alpha_kd {args.alpha_kd}" if args.alpha_kd > 0 else ""
+        rows.append((f"GQA-{args.kv_heads}, uptrained{kd}", *held_out_loss(run_dir / "model", valid)))
 
     base_kv = rows[0][3]
     table = [[name, f"{loss:.3f}", f"{ppl:.2f}", f"{kv:,} B", f"{base_kv / kv:.0f}x"] for name, loss, ppl, kv in rows]
