@@ -125,6 +125,7 @@ class TrainConfig:
     mixed_precision: str | None = None  # no, bf16, fp16; None: the launcher's (accelerate config/flag), else no
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the model
+    shard: str | None = None  # fsdp2: the trainer fully_shards the model itself (multi-process, also CPU/gloo)
     threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
@@ -163,6 +164,7 @@ class TrainConfig:
             (self.eval.every >= 0 and self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
             (self.log.every >= 1, "log.every must be at least 1"),
+            (self.shard in (None, "fsdp2"), f"shard must be fsdp2 or null, got {self.shard!r}"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1 (or null: torch's default)"),
             (set(self.log.log_with) <= {"tensorboard", "wandb"},
              f"log.log_with takes tensorboard and/or wandb, got {self.log.log_with}"),

@@ -89,7 +89,9 @@ def save_final_model(
     The model card of `source_dir` is kept and extended with the training record; its licence
     files and uptrain records are copied along.
     """
-    state_dict = accelerator.get_state_dict(model)
+    from uptrain.train.shard import full_state_dict, is_sharded
+
+    state_dict = full_state_dict(model) if is_sharded(model) else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         if out_dir.exists():
             shutil.rmtree(out_dir)
