@@ -48,6 +48,7 @@ def runs(tmp_path_factory):
 def test_fsdp2_matches_one_process(runs):
     single, sharded, _, stdout = runs
     assert "x 2 processes" in stdout
+    assert "shard: fsdp2, fully_shard on 5 decoder layers + root over 2 processes" in stdout, stdout
     one, two = train_losses(single), train_losses(sharded)
     assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
     for step in one:

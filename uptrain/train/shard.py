@@ -56,9 +56,14 @@ def shard_model(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Mo
 
     model.to(accelerator.device)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    accelerator.print(f"shard: fsdp2, fully_shard on {len(layers)} decoder layers + root over "
+                      f"{accelerator.num_processes} processes; rank 0 holds {local:,} of {total:,} parameters")
     return model
 
 
