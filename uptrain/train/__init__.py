@@ -7,6 +7,13 @@ itself), report (metrics, plots, the final model folder); __main__ is the CLI.
 Python API: `from uptrain.train import train`.
 """
 
-from uptrain.train.loop import train
-
 __all__ = ["train"]
+
+
+def __getattr__(name: str):
+    # Lazy: `python -m uptrain.train --help` and config checks need no torch/transformers import.
+    if name == "train":
+        from uptrain.train.loop import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
