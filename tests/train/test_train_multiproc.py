@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, GQA4, REPO, need_models, read_metrics, tiny_overrides, train_losses
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
@@ -122,6 +122,7 @@ def test_resume_on_another_process_count_is_refused(sgd_runs, capsys):
     args = tiny_overrides(double, steps=STEPS, **{**SGD, "batch.grad_accum": 1, "checkpoint.every": 3,
                                                    "checkpoint.keep": 1})
     before = (double / "metrics.jsonl").read_text()
+    (double / FINISHED_FILE).unlink(missing_ok=True)  # as if interrupted: a finished run refuses any resume
     assert main([str(DEMO), *args, "resume=latest"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "was written by a run on 2 processes but this one has 1" in err and "--num_processes 2" in err, err
@@ -152,6 +153,7 @@ def test_streaming_two_processes_see_the_same_global_batches_as_one_and_resume(t
     # Interrupted after the checkpoint of step 2: two processes resume the stream after the
     # 2 x 8 blocks consumed and reproduce the uninterrupted losses.
     shutil.rmtree(double / "model")
+    (double / FINISHED_FILE).unlink()  # as if interrupted: a finished run refuses any resume
     shutil.rmtree(complete_checkpoints(double)[-1])
     assert complete_checkpoints(double)[-1].name == "checkpoint-00000002"
     launch_two_processes(args + ["resume=latest"])
