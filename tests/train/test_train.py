@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import (DEMO, GQA4, MHA8, REPO, need_models, read_metrics, stories_new_to_the_model, tiny_overrides,
                            train_losses)
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train import train
 from uptrain.train.__main__ import main
@@ -120,6 +120,7 @@ def test_resume_with_dropout_restores_the_random_state(tmp_path, one_torch_threa
     train(load_config(DEMO, args))
     reference = train_losses(run_dir)
     shutil.rmtree(run_dir / "model")
+    (run_dir / FINISHED_FILE).unlink()  # as if interrupted: a finished run refuses any resume
     shutil.rmtree(complete_checkpoints(run_dir)[-1])  # as if stopped right after step 4's checkpoint
     assert complete_checkpoints(run_dir)[-1].name == "checkpoint-00000004"
     train(load_config(DEMO, args + ["resume=latest"]))
