@@ -8,7 +8,7 @@ import pytest
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, TRAIN_TXT, need_models, read_metrics, stories_new_to_the_model, tiny_overrides, train_losses
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.errors import UsageError
 from uptrain.train import train
 from uptrain.train.config import load_config
@@ -35,6 +35,7 @@ def test_streaming_run_lowers_the_loss_and_resumes_on_the_same_data(tmp_path):
     # Interrupted after the checkpoint of step 4: the resumed run skips the 4 x 8 blocks already
     # consumed in the deterministic stream and reproduces the uninterrupted losses.
     shutil.rmtree(run_dir / "model")
+    (run_dir / FINISHED_FILE).unlink()  # as if interrupted: a finished run refuses any resume
     shutil.rmtree(complete_checkpoints(run_dir)[-1])
     assert complete_checkpoints(run_dir)[-1].name == "checkpoint-00000004"
     train(load_config(DEMO, args + ["resume=latest"]))
