@@ -98,3 +98,25 @@ def test_fsdp2_resume_reproduces_the_run(runs):
     assert sorted(after) == list(range(1, STEPS + 1))
     for step in after:
         assert after[step] == pytest.approx(before[step], abs=1e-6), step
+
+
+def test_fsdp2_refuses_what_it_does_not_cover():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from uptrain.errors import UsageError
+    from uptrain.train.shard import check_fsdp2
+
+    config = load_config(DEMO, tiny_overrides("runs/x", shard="fsdp2"))
+    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, mixed_precision="no")
+    check_fsdp2(config, plain)
+    for kind in (DistributedType.NO, DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(UsageError, match="multi-process launch"):
+            check_fsdp2(config, SimpleNamespace(distributed_type=kind, mixed_precision="no"))
+    with pytest.raises(UsageError, match="fp32 only"):
+        check_fsdp2(config, SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, mixed_precision="bf16"))
+    with pytest.raises(UsageError, match="compile"):
+        check_fsdp2(load_config(DEMO, tiny_overrides("runs/x", shard="fsdp2", compile="true")), plain)
+    with pytest.raises(UsageError, match="shard must be"):
+        load_config(DEMO, tiny_overrides("runs/x", shard="fsdp1"))
