@@ -13,7 +13,11 @@ The trainer runs as a user would run it: progress bar, metrics JSON lines, Tenso
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import tempfile
 import time
 from pathlib import Path
@@ -93,6 +97,39 @@ def trainer(args, model_path: str, run_dir: Path) -> float:
     return (args.steps - args.warmup) * tokens_per_step / (elapsed[args.steps] - elapsed[args.warmup])
 
 
+def startup(args, model_path: str, run_dir: Path) -> dict[str, float]:
+    """Seconds from launching `python -m uptrain.train` (a fresh process, as a user runs it) to
+    the printed plan (imports, checks, data, model: set-up done) and to the first step's metrics
+    record (after the step-0 validation and step 1), and the whole run; separate from steady state."""
+    overrides = [f"model={model_path}", f"run_dir={run_dir}", f"data.train.files=[{args.data}]",
+                 f"data.seq_len={args.seq_len}", f"batch.micro_batch={args.micro_batch}",
+                 f"batch.grad_accum={args.grad_accum}", f"budget.tokens={2 * args.seq_len * args.micro_batch * args.grad_accum}",
+                 "eval.every=0", "eval.max_batches=1", "checkpoint.every=0", "overwrite=true", "log.progress_bar=false", "optim.warmup_steps=0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    err_file = run_dir.parent / "startup-stderr.txt"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "uptrain.train", str(DEMO), *overrides], stdout=subprocess.PIPE,
+                            stderr=err_file.open("w"), text=True, env=env)
+    marks, metrics = {}, run_dir / "metrics.jsonl"
+
+    def read_stdout() -> None:  # the plan line is printed once set-up is done
+        for line in proc.stdout:
+            if line.startswith("plan:") and "plan" not in marks:
+                marks["plan"] = time.perf_counter() - t0
+
+    reader = threading.Thread(target=read_stdout)
+    reader.start()
+    while proc.poll() is None:
+        if "first_step" not in marks and metrics.is_file() and '"loss"' in metrics.read_text():
+            marks["first_step"] = time.perf_counter() - t0
+        time.sleep(0.05)
+    reader.join()
+    err = err_file.read_text()
+    marks["total"] = time.perf_counter() - t0
+    assert proc.returncode == 0 and "plan" in marks and "first_step" in marks, (proc.returncode, marks, err[-2000:])
+    return marks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -108,10 +145,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     parser.add_argument("--work", default=None, help="folder for the temporary model and runs")
+    parser.add_argument("--startup-only", action="store_true", help="only the launch-to-first-step timing")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="device peak (bf16 dense) for MFU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         model_path = random_model(args.model, args.hidden, args.layers, Path(tmp) / "model") if args.hidden else args.model
+        marks = startup(args, model_path, Path(tmp) / "startup")
+        print(f"startup (fresh process, load average {os.getloadavg()[0]:.1f}): plan printed after {marks['plan']:.1f} s, "
+              f"first step recorded after {marks['first_step']:.1f} s, 2-step run {marks['total']:.1f} s")
+        if args.startup_only:
+            return
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
         hand, ours = [], []
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike

@@ -122,6 +122,7 @@ def test_resume_on_another_process_count_is_refused(sgd_runs, capsys):
     args = tiny_overrides(double, steps=STEPS, **{**SGD, "batch.grad_accum": 1, "checkpoint.every": 3,
                                                    "checkpoint.keep": 1})
     before = (double / "metrics.jsonl").read_text()
+    (double / FINISHED_FILE).unlink(missing_ok=True)  # as if interrupted: a finished run refuses any resume
     assert main([str(DEMO), *args, "resume=latest"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "was written by a run on 2 processes but this one has 1" in err and "--num_processes 2" in err, err

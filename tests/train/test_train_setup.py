@@ -103,3 +103,19 @@ def test_deepspeed_accepts_what_holds_under_it():
     check_deepspeed(_config(), DeepSpeedFacts(3, 1.0))  # clipping as configured, no teacher
     check_deepspeed(_config(distill=DistillConfig(teacher="t")), DeepSpeedFacts(2, 1.0))  # teacher, ZeRO-2
     check_deepspeed(_config(batch=dataclasses.replace(TrainConfig().batch, grad_accum=4)), None)  # no DeepSpeed
+
+
+def test_a_launch_whose_fsdp_or_deepspeed_accelerate_dropped_is_refused():
+    # On CPU, accelerate launch --use_fsdp / --use_deepspeed gives MULTI_CPU + DDP (checked by hand,
+    # results/RESULTS.md): the trainer refuses instead of training unsharded.
+    from accelerate.utils import DistributedType
+
+    from uptrain.errors import UsageError
+    from uptrain.train.runtime import check_launch_honoured
+
+    for flag, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP), ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
+        with pytest.raises(UsageError, match="drops"):
+            check_launch_honoured({flag: "true"}, DistributedType.MULTI_CPU)
+        check_launch_honoured({flag: "true"}, kind)  # honoured: fine
+    check_launch_honoured({}, DistributedType.MULTI_CPU)
+    check_launch_honoured({"ACCELERATE_USE_FSDP": "false"}, DistributedType.NO)

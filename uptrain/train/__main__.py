@@ -15,7 +15,6 @@ import typing
 from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
 from uptrain.train.config import TrainConfig, load_config
-from uptrain.train.loop import TrainingDiverged, train
 
 
 @exit_on_usage_error
@@ -30,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, dotted for nested fields (optim.lr=1e-3)")
     args = parser.parse_args(argv)
+    from uptrain.train.loop import TrainingDiverged, train  # after --help: torch & co. take seconds
+
     try:
         train(load_config(args.config, args.overrides))
     except TrainingDiverged as err:

@@ -39,6 +39,7 @@ from uptrain.train.run_state import (
     save_checkpoint,
 )
 from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
+from uptrain.train import shard
 from uptrain.train.setup import (
     RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
 )
@@ -104,6 +105,8 @@ def setup_run(config: TrainConfig) -> Run:
     # --- checks first: config, run folder, models, budget, data; all before weights load ---
     apply_threads(config.threads)
     check_deepspeed(config, deepspeed_facts(accelerator))
+    if config.shard == "fsdp2":
+        shard.check_fsdp2(config, accelerator)
     plan = plan_run(config, world)
     ranges = []
     if config.trainable_stages:
@@ -136,6 +139,8 @@ def setup_run(config: TrainConfig) -> Run:
 
     # --- model, optional teacher, optimizer, loader ---
     model, teacher = _load_models(config, accelerator)
+    if config.shard == "fsdp2":  # sharded by the trainer, before the optimizer sees the parameters
+        model = shard.shard_model(model, accelerator)
     optimizer = make_optimizer(model, config.optim)
     # Blocks are already in run order; accelerate gives process r every world-th batch, so one
     # step sees the same global batch whatever the number of processes. A stream (an
@@ -143,7 +148,10 @@ def setup_run(config: TrainConfig) -> Run:
     # process r gets the r-th of each group of `world` consecutive batches.
     dataset = train_blocks if config.data.train.streaming else train_blocks.with_format("torch")
     loader = DataLoader(dataset, batch_size=config.batch.micro_batch, shuffle=False)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if config.shard == "fsdp2":  # accelerate would wrap the model in DDP: it prepares the loader only
+        loader = accelerator.prepare(loader)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
     n_trained = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
@@ -195,7 +203,7 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
         # RNG states, so step start_step + 1 draws the dropout masks the uninterrupted run drew.
         first = next(batches, None)
         batches = itertools.chain([] if first is None else [first], batches)
-        load_checkpoint(run.accelerator, run.resume_from)
+        load_checkpoint(run.accelerator, run.resume_from, _sharded_io(run, shard.load_sharded))
         run.accelerator.print(f"resuming from {run.resume_from} at step {start_step}")
     run.metrics.truncate_after(start_step if run.resume_from else -1)  # records past the checkpoint are redone
     flat = _flat(to_dict(run.config))
@@ -209,6 +217,8 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
     world, accum = accelerator.num_processes, config.batch.grad_accum
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    sharded = shard.is_sharded(model)  # shard=fsdp2; FSDP2 averages gradients like DDP: x world holds
+    clip = shard.clip_grad_norm if sharded else accelerator.clip_grad_norm_
     bar = tqdm(total=plan.steps, initial=start_step,
                disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
@@ -229,7 +239,8 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
         sums = torch.zeros(3, device=accelerator.device)  # [loss, lm, kd] summed over tokens
         for i, ids in enumerate(window):
             # Gradients are all-reduced only on the last micro batch of the step.
-            sync = contextlib.nullcontext() if i == accum - 1 else accelerator.no_sync(model)
+            sync = (contextlib.nullcontext() if i == accum - 1 else
+                    shard.no_grad_sync(model) if sharded else accelerator.no_sync(model))
             with sync:
                 logits = model(input_ids=ids).logits  # [micro_batch, seq_len, vocab]
                 loss, lm, kd = _step_loss(run, logits, ids)
@@ -243,7 +254,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
             when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
             raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, last good checkpoint "
                                    f"kept in {run.run_dir / 'checkpoints'}")
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.optim.grad_clip) if config.optim.grad_clip > 0 else None
+        grad_norm = clip(model.parameters(), config.optim.grad_clip) if config.optim.grad_clip > 0 else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -263,9 +274,18 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
         if config.checkpoint.every and done % config.checkpoint.every == 0:
             state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
                      "processes": world}
-            save_checkpoint(accelerator, run.run_dir, done, state, config.checkpoint.keep)
+            save_checkpoint(accelerator, run.run_dir, done, state, config.checkpoint.keep,
+                            _sharded_io(run, shard.save_sharded))
     bar.close()
     return record
+
+
+def _sharded_io(run: Run, io):
+    """folder -> io(model, optimizer, folder) for a sharded model (its weights and optimizer are
+    not accelerate's to save), else None."""
+    if not shard.is_sharded(run.model):
+        return None
+    return lambda folder: io(run.model, run.optimizer, folder)
 
 
 def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

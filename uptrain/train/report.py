@@ -6,11 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on servers; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
+from accelerate import Accelerator
 
 
 class MetricsLog:
@@ -45,6 +41,11 @@ def plot_losses(records: list[dict], png: Path) -> None:
     train = [(r["step"], r.get("lm_loss", r["loss"])) for r in records if "loss" in r]
     kd = [(r["step"], r["kd_loss"]) for r in records if "kd_loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    import matplotlib  # here only: a second of import that the run needs once, at the end
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train LM loss", lw=1)
@@ -89,7 +90,9 @@ def save_final_model(
     The model card of `source_dir` is kept and extended with the training record; its licence
     files and uptrain records are copied along.
     """
-    state_dict = accelerator.get_state_dict(model)
+    from uptrain.train.shard import full_state_dict, is_sharded
+
+    state_dict = full_state_dict(model) if is_sharded(model) else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         if out_dir.exists():
             shutil.rmtree(out_dir)

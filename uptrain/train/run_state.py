@@ -113,7 +113,8 @@ class _TiedWeightsNotice(logging.Filter):
 logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNotice())
 
 
-def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: int) -> Path:
+def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: dict, keep: int,
+                    save_extra=None) -> Path:
     """Save model/optimizer/RNG state + `state` (data position) atomically; keep the last `keep`.
 
     Must be called on every process (accelerate gathers and writes per-process RNG state).
@@ -126,6 +127,8 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if save_extra is not None:  # e.g. sharded weights and optimizer (shard=fsdp2), every rank
+        save_extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(tmp / STATE_FILE, "w") as f:  # completion mark, written after everything else
@@ -164,7 +167,9 @@ def check_same_processes(path: Path, state: dict, world: int, sequences_per_proc
         )
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
+def load_checkpoint(accelerator: Accelerator, path: Path, load_extra=None) -> dict:
     """Restore the accelerate state in `path`; return its trainer state (step, samples, ...)."""
     accelerator.load_state(str(path))
+    if load_extra is not None:
+        load_extra(path)
     return checkpoint_state(path)

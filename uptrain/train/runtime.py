@@ -4,6 +4,7 @@ and which trainer settings hold under it (DeepSpeed changes when the update happ
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
             import wandb  # noqa: F401
         except ImportError:
             raise UsageError("log.log_with asks for wandb but it is not installed; pip install wandb") from None
-    return Accelerator(
+    accelerator = Accelerator(
         # Without cpu=True on a machine without CUDA, `accelerate launch --multi_gpu` ranks would
         # not join one process group: each would silently train alone.
         cpu=not torch.cuda.is_available(),
@@ -35,6 +36,22 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
         log_with=config.log.log_with or None,
         project_dir=str(run_dir),
     )
+    check_launch_honoured(os.environ, accelerator.distributed_type)
+    return accelerator
+
+
+def check_launch_honoured(env, kind: DistributedType) -> None:
+    """Refuse (UsageError) a launch whose FSDP or DeepSpeed accelerate silently dropped.
+
+    With cpu=True (no CUDA) accelerate reports MULTI_CPU under `--use_fsdp` and `--use_deepspeed`
+    and wraps the model in DDP: every rank would hold the whole model, unlike what was asked.
+    """
+    for flag, name, expected in (("ACCELERATE_USE_FSDP", "FSDP", DistributedType.FSDP),
+                                 ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed", DistributedType.DEEPSPEED)):
+        if str(env.get(flag, "false")).lower() in ("true", "1") and kind != expected:
+            raise UsageError(f"the launch asks for {name} but accelerate runs {kind.value} (on CPU it drops {name} "
+                             "and wraps the model in DDP); on CPU launch with --multi_gpu --num_processes N and set "
+                             "shard=fsdp2 for a sharded model, or leave the launch plain")
 
 
 @dataclass

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from uptrain.errors import UsageError
+
+if TYPE_CHECKING:
+    import datasets
 
 # File suffix -> the `datasets` builder that reads it.
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -121,6 +123,8 @@ def check_hub_reachable(dataset: str, timeout_s: float = 10.0) -> None:
 
 def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
     """Load `source` as a dataset with one column, "text" (empty documents dropped)."""
+    import datasets  # here, not at the top: config.py imports this module and --help needs no datasets
+
     source.validate()
     if source.files:
         builder = _BUILDERS[Path(source.files[0]).suffix.lower()]
