@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="conversion method (fit: least squares with Q/O compensation; mean: the paper's)")
     p.add_argument("--calib-tokens", type=int, default=16384,
                    help="--method fit: calibration tokens from the training sample (0: weights only)")
-    p.add_argument("--alpha-kd", type=float, default=0.5,
+    p.add_argument("--alpha-kd", type=float, default=0.9,
                    help="share of the distillation loss from the MHA source (0: plain LM uptraining)")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
