@@ -161,8 +161,8 @@ def main() -> None:
             hand.append(hand_loop(args, model_path))
             ours.append(trainer(args, model_path, Path(tmp) / "run"))
     h, o = statistics.median(hand), statistics.median(ours)
-    print(f"\n| model | params | seq_len x micro x accum | hand loop tok/s | trainer tok/s | overhead |")
-    print(f"|---|---|---|---|---|---|")
+    print("\n| model | params | seq_len x micro x accum | hand loop tok/s | trainer tok/s | overhead |")
+    print("|---|---|---|---|---|---|")
     print(f"| {'random Llama w' + str(args.hidden) if args.hidden else Path(args.model).name} | {n_params:,} | "
           f"{args.seq_len} x {args.micro_batch} x {args.grad_accum} | {h:,.0f} | {o:,.0f} | {(h - o) / h:+.1%} |")
     print(f"runs (tok/s): hand {[round(x) for x in hand]}, trainer {[round(x) for x in ours]}; threads {torch.get_num_threads()}")

@@ -8,7 +8,7 @@ The converter has one code path for all of them; adding a family is a few lines 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from uptrain.errors import UsageError

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
+from uptrain.cli import ArgParser, positive_int, prog_name, write_json
 from uptrain.convert import convert
 from uptrain.convert.calibrate import Calibration
 from uptrain.errors import UsageError, exit_on_usage_error
