@@ -104,32 +104,8 @@ def _expand_with_rotations(gqa: Path, out: Path, seed: int = 0) -> Path:
     model = load(gqa)
     cfg = model.config
     heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    g = heads // kv
-    gen = torch.Generator().manual_seed(seed)
-    first, second = torch.arange(hd // 2), torch.arange(hd // 2, hd)  # Llama's rotate_half planes (i, i + hd/2)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}.self_attn."
-        q = state[p + "q_proj.weight"].double().view(heads, hd, -1)
-        k = state[p + "k_proj.weight"].double().view(kv, hd, -1)
-        v = state[p + "v_proj.weight"].double().view(kv, hd, -1)
-        o = state[p + "o_proj.weight"].double().view(-1, heads, hd)
-        new_k, new_v = torch.empty(heads, hd, k.shape[2], dtype=torch.float64), torch.empty_like(q)
-        for h in range(heads):
-            j = h // g
-            s = torch.complex(torch.randn(len(first), generator=gen).double(),
-                              torch.randn(len(first), generator=gen).double())
-            kc = torch.complex(k[j][first], k[j][second]) * s[:, None]
-            new_k[h][first], new_k[h][second] = kc.real, kc.imag
-            qc = torch.complex(q[h][first], q[h][second]) / s.conj()[:, None]
-            q[h][first], q[h][second] = qc.real, qc.imag
-            rot = torch.linalg.qr(torch.randn(hd, hd, generator=gen).double()).Q
-            new_v[h] = rot @ v[j]
-            o[:, h] = o[:, h] @ rot.T
-        state[p + "q_proj.weight"] = q.reshape(heads * hd, -1).float()
-        state[p + "k_proj.weight"] = new_k.reshape(heads * hd, -1).float()
-        state[p + "v_proj.weight"] = new_v.reshape(heads * hd, -1).float()
-        state[p + "o_proj.weight"] = o.reshape(-1, heads * hd).float()
+    # Llama's rotate_half planes (i, i + hd/2), built in the helper independently of fit.py
+    state = _rope_safe_variants(model.state_dict(), cfg.num_hidden_layers, heads, kv, hd, interleaved=False, seed=seed)
     raw = json.loads((gqa / "config.json").read_text())
     mha_cfg = AutoConfig.for_model(raw.pop("model_type"), **{**raw, "num_key_value_heads": heads})
     mha = random_model(mha_cfg)
