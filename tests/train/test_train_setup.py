@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
+from transformers import get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, need_models, tiny_overrides
@@ -33,6 +33,22 @@ def test_lr_schedule_warms_up_peaks_once_and_ends_at_the_minimum():
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, o.warmup_steps, steps, min_lr_rate=o.min_lr_ratio)
     for step in range(steps):
         optimizer.step()  # (no gradient: nothing moves) keeps torch's call-order check quiet
+        scheduler.step()
+        assert lrs[step] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12), step
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly_like_transformers():
+    o = OptimConfig(lr=1e-3, min_lr_ratio=0.1, warmup_steps=3, schedule="wsd", decay_fraction=0.25)
+    steps = 20
+    lrs = [lr_at(step, steps, o) for step in range(steps)]
+    assert lrs[2:15] == pytest.approx([1e-3] * 13)  # peak from the end of warm-up until the decay
+    assert lrs[-1] == pytest.approx(1e-4) and all(a > b for a, b in zip(lrs[14:], lrs[15:]))  # 5 decay steps
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=o.lr)
+    scheduler = get_wsd_schedule(optimizer, o.warmup_steps, num_decay_steps=5, num_training_steps=steps,
+                                 decay_type="linear", min_lr_ratio=o.min_lr_ratio)
+    for step in range(steps):
+        optimizer.step()
         scheduler.step()
         assert lrs[step] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12), step
 

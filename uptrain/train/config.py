@@ -60,12 +60,18 @@ class BatchConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW (or plain SGD) with linear warmup then cosine decay to `min_lr_ratio` x `lr`."""
+    """AdamW (or plain SGD); linear warm-up, then a decay to `min_lr_ratio` x `lr` by the last step.
+
+    schedule `cosine`: cosine decay over all steps after warm-up. `wsd` (warm-up, stable, decay):
+    the peak lr held, then a linear decay over the last `decay_fraction` of the steps.
+    """
 
     name: str = "adamw"  # adamw; sgd: plain SGD without momentum (its update shows gradient scale)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine or wsd
+    decay_fraction: float = 0.2  # wsd: share of the run's steps spent in the final linear decay
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -90,6 +96,7 @@ class EvalConfig:
     """Validation loss and perplexity at step 0, every `every` steps and at the end."""
 
     every: int = 100  # 0: only at start and end
+    at_start: bool = True  # false: skip the step-0 validation (e.g. the converted model was scored already)
     max_batches: int | None = None  # cap on validation batches in total (all processes)
     batch_size: int | None = None  # defaults to batch.micro_batch
 
@@ -167,6 +174,8 @@ class TrainConfig:
             (self.optim.lr > 0 and 0 <= self.optim.min_lr_ratio <= 1,
              "optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]"),
             (self.optim.name in ("adamw", "sgd"), f"optim.name must be adamw or sgd, got {self.optim.name!r}"),
+            (self.optim.schedule in ("cosine", "wsd"), f"optim.schedule must be cosine or wsd, got {self.optim.schedule!r}"),
+            (0.0 < self.optim.decay_fraction <= 1.0, "optim.decay_fraction must be in (0, 1]"),
             (self.optim.warmup_steps >= 0 and self.optim.grad_clip >= 0,
              "optim.warmup_steps and optim.grad_clip must be >= 0"),
             (0.0 <= self.distill.alpha_kd <= 1.0 and self.distill.temperature > 0,

@@ -88,7 +88,7 @@ def train(config: TrainConfig) -> dict:
     """Run the training described by `config`; return the final metrics."""
     run = setup_run(config)
     start_step, batches = resume_state(run)
-    if start_step == 0:
+    if start_step == 0 and config.eval.at_start:
         first = run.validate()
         run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
         run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")

@@ -134,6 +134,12 @@ def plan_run(config: TrainConfig, world: int) -> RunPlan:
             f"optim.warmup_steps={config.optim.warmup_steps} is more than the run's {steps} optimizer steps "
             f"({total:,} tokens / {per_step:,} per step); lower optim.warmup_steps or raise the budget"
         )
+    if config.optim.schedule == "wsd" and config.optim.warmup_steps + wsd_decay_steps(steps, config.optim) > steps:
+        raise UsageError(
+            f"optim.warmup_steps={config.optim.warmup_steps} plus the wsd decay "
+            f"({wsd_decay_steps(steps, config.optim)} steps, decay_fraction={config.optim.decay_fraction}) is more "
+            f"than the run's {steps} optimizer steps; lower either or raise the budget"
+        )
     return RunPlan(total, steps, sequences, per_step)
 
 
@@ -208,17 +214,34 @@ def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimi
 
 
 def lr_at(step: int, total_steps: int, o: OptimConfig) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
+    """Learning rate of optimizer step `step` (0-based): warm-up, then decay to min_lr by the last step.
 
-    transformers' `get_cosine_with_min_lr_schedule_with_warmup` (min_lr_rate = o.min_lr_ratio)
-    read one step ahead, i.e. as if its scheduler were stepped before each optimizer step:
-    step 0 uses lr / warmup_steps (no step is spent at lr 0), the last warm-up step the peak lr
-    (once), and the last step of the run exactly min_lr. A pure function of the step, so a
-    resumed run needs no scheduler state to get it right.
+    The transformers schedule of the same name read one step ahead, i.e. as if its scheduler were
+    stepped before each optimizer step, so no step is spent at lr 0 and the last step of the run
+    is exactly at min_lr. `cosine` is `get_cosine_with_min_lr_schedule_with_warmup`
+    (min_lr_rate = o.min_lr_ratio): step 0 at lr / warmup_steps, the peak once at the last
+    warm-up step. `wsd` is `get_wsd_schedule` (linear warm-up from min_lr, linear decay over
+    round(decay_fraction x steps) steps, the peak held in between). A pure function of the step,
+    so a resumed run needs no scheduler state to get it right.
     """
-    t, warmup = step + 1, o.warmup_steps  # transformers' `current_step` after its scheduler.step()
+    t, warmup, m = step + 1, o.warmup_steps, o.min_lr_ratio  # transformers' `current_step` after scheduler.step()
+    if o.schedule == "wsd":
+        decay = wsd_decay_steps(total_steps, o)
+        stable = max(0, total_steps - warmup - decay)
+        if t < warmup:
+            return o.lr * ((t / warmup) * (1 - m) + m)
+        if t < warmup + stable:
+            return o.lr
+        if t < warmup + stable + decay:
+            return o.lr * ((1 - (t - warmup - stable) / max(1, decay)) * (1 - m) + m)
+        return o.lr * m
     if t < warmup:
         return o.lr * t / warmup
     progress = (t - warmup) / max(1, total_steps - warmup)
     factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return o.lr * (factor * (1 - o.min_lr_ratio) + o.min_lr_ratio)
+    return o.lr * (factor * (1 - m) + m)
+
+
+def wsd_decay_steps(total_steps: int, o: OptimConfig) -> int:
+    """Steps of the final linear decay of the `wsd` schedule (at least 1)."""
+    return max(1, round(o.decay_fraction * total_steps))
