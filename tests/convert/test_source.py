@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from local_hub import LocalHub
 from tiny import load, logits
 from uptrain.convert.source import auxiliary_files, open_checkpoint
 from uptrain.convert.__main__ import main
@@ -25,7 +27,13 @@ def hub_cache(tmp_path: Path, source: Path, repo: str = "uptrain-test/stories", 
     repo_dir = root / f"models--{repo.replace('/', '--')}"
     (repo_dir / "refs").mkdir(parents=True)
     (repo_dir / "refs" / "main").write_text(commit)
-    shutil.copytree(source, repo_dir / "snapshots" / commit)
+    (repo_dir / "blobs").mkdir()
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):  # content-addressed blobs, the snapshot made of symlinks
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, repo_dir / "blobs" / digest)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
     return root
 
 
@@ -41,6 +49,16 @@ def test_hub_id_from_the_local_cache_in_offline_mode(mha8, gqa4, tmp_path):
     assert "source              uptrain-test/stories" in proc.stdout
     torch.testing.assert_close(logits(load(tmp_path / "out"), IDS), logits(load(gqa4), IDS), rtol=0, atol=1e-5)
     assert json.loads((tmp_path / "out" / "uptrain_conversion.json").read_text())["source"] == "uptrain-test/stories"
+
+
+def test_sharded_hub_checkpoint_in_the_cache_converts(mha8, gqa4, tmp_path):
+    """The cache's files are symlinks into blobs/: shards named by the index are still inside the folder."""
+    src = tmp_path / "two-shards"
+    load(mha8).save_pretrained(src, max_shard_size="600KB")
+    assert len(list(src.glob("*.safetensors"))) == 2
+    proc = run_cli(["uptrain-test/stories", "--kv-heads", "4", "--out", str(tmp_path / "out")], hub_cache(tmp_path, src))
+    assert proc.returncode == 0, proc.stderr
+    torch.testing.assert_close(logits(load(tmp_path / "out"), IDS), logits(load(gqa4), IDS), rtol=0, atol=1e-5)
 
 
 def test_hub_id_not_cached_says_so_and_suggests_a_local_path(mha8, tmp_path):
@@ -138,3 +156,51 @@ def test_auxiliary_files_skip_weights_code_and_rewritten_files(mha8, tmp_path):
     names = [p.name for p in auxiliary_files(src)]
     assert names == ["LICENSE", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
                      "tokenizer_config.json"]
+
+
+def _plan_rows(stdout: str) -> list[str]:
+    """The plan table without the lines that name the source or how it was read."""
+    return [line for line in stdout.splitlines() if not line.startswith(("source", "note"))]
+
+
+def test_hub_dry_run_reads_only_config_and_safetensors_headers(mha8, tmp_path):
+    """A Hub id with --dry-run plans from HTTP range requests of the headers: the weights stay
+    on the server. The real huggingface_hub client talks to a local server (HF_ENDPOINT)."""
+    src = tmp_path / "two-shards"
+    load(mha8).save_pretrained(src, max_shard_size="600KB")  # an index and two shards
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(shards) == 2 and (src / "model.safetensors.index.json").is_file()
+    with LocalHub({"org/stories": src}) as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "cache"),
+               "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+        proc = subprocess.run([sys.executable, "-m", "uptrain.convert", "org/stories", "--kv-heads", "2", "--dry-run"],
+                              capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    local = subprocess.run([sys.executable, "-m", "uptrain.convert", str(src), "--kv-heads", "2", "--dry-run"],
+                           capture_output=True, text=True)
+    assert _plan_rows(proc.stdout) == _plan_rows(local.stdout)  # the same plan as from the files themselves
+    sent = hub.served.body_bytes
+    for shard in shards:  # each shard: one range request of the first 100 kB, never the weights
+        assert sent[shard] <= 100_001 < (src / shard).stat().st_size, (shard, sent)
+        assert [r for r in hub.served.requests if r[0] == "GET" and r[1].endswith(shard)] == [
+            ("GET", f"/org/stories/resolve/main/{shard}", "bytes=0-100000")]
+    assert set(sent) == {"config.json", "model.safetensors.index.json", *shards}  # no tokenizer, no card
+    note = next(line for line in proc.stdout.splitlines() if "read the safetensors headers over HTTP" in line)
+    fetched = float(note.split("HTTP: ")[1].split(" KiB")[0]) * 1024
+    assert sum(sent.values()) <= fetched <= sum(sent.values()) + 4096  # + the API's file-list JSON
+    assert "of weights were not downloaded" in note
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_hub_dry_run_offline_uses_the_cached_weights(mha8, tmp_path):
+    cache = hub_cache(tmp_path, mha8)
+    proc = run_cli(["uptrain-test/stories", "--kv-heads", "2", "--dry-run"], cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "over HTTP" not in proc.stdout and "dry run: nothing written" in proc.stdout
+    # offline, a cache with the config but not the weights cannot be planned: one line says so
+    snapshot_file = next(p for p in cache.rglob("model.safetensors") if p.is_symlink())
+    snapshot_file.resolve().unlink()  # the blob and the snapshot's symlink to it
+    snapshot_file.unlink()
+    proc = run_cli(["uptrain-test/stories", "--kv-heads", "2", "--dry-run"], cache)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot reach the Hugging Face Hub" in proc.stderr

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: keep the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing (a Hub id: reads only config and safetensors headers)")
     p.add_argument("--verbose", action="store_true", help="print the time of each phase (also in the record)")
     return p
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = Calibration(args.calib, args.calib_tokens, args.device) if args.calib else None
     source, plan, outputs, new_config = prepare(args.checkpoint, args.kv_heads, args.method, args.seed,
                                                 args.revision, DTYPES.get(args.dtype), grouping=args.grouping,
-                                                calibration=calibration)
+                                                calibration=calibration, headers_only=args.dry_run)
     if not args.dry_run:
         check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
     print(format_plan(plan))

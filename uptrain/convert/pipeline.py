@@ -11,7 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -19,12 +19,12 @@ import torch
 from uptrain.convert.architectures import family_for
 from uptrain.convert.calibrate import Calibration
 from uptrain.convert.layerwise import describe_layerwise, layerwise_settings
-from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, hub_model_id, open_checkpoint,
-                                    read_config, resolve_source)
+from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights, hub_model_id,
+                                    open_checkpoint, open_hub_headers, read_config, resolve_source)
 from uptrain.errors import UsageError
 from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
-from uptrain.convert.plan import ConversionPlan, plan_conversion
+from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
 from uptrain.convert.heads import divisors
 from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path, sync_tree
 from uptrain.units import parse_size
@@ -35,9 +35,13 @@ RECORD_FILE = "uptrain_conversion.json"
 
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
-            grouping: str = "contiguous", calibration: Calibration | None = None
+            grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False
             ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
+
+    headers_only (`--dry-run`): a Hub id not already in the local cache is planned from its
+    config and safetensors headers (HTTP range requests), without downloading the weights;
+    the plan's notes say how many bytes were fetched. Such a source cannot be written.
 
     grouping / calibration: see `layerwise` (`--grouping similar`, `--method fit`) and `calibrate`;
     the calibration runs lazily, when the first attention layer is written.
@@ -46,11 +50,21 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
     """
     start = time.perf_counter()
-    folder = resolve_source(checkpoint, revision)
+    remote = headers_only and not Path(checkpoint).expanduser().exists()  # a Hub id
+    with count_hub_bytes() if remote else nullcontext([0]) as fetched:
+        folder = resolve_source(checkpoint, revision, weights=not remote)
     raw = read_config(folder)
     # The model type first: a type we cannot convert is refused before we ask for its weights.
     family = family_for(load_hf_config(raw).to_dict() | raw)
-    source = open_checkpoint(folder, raw)
+    header_note = None
+    if remote and not has_weights(folder):
+        source, header_bytes = open_hub_headers(checkpoint, revision, folder, raw)
+        weight_bytes = sum(i.nbytes for i in source.tensors)
+        header_note = (f"read the safetensors headers over HTTP: {human_bytes(fetched[0] + header_bytes)} fetched "
+                       f"(config, index, headers); the {human_bytes(weight_bytes)} of weights "
+                       f"were not downloaded")
+    else:
+        source = open_checkpoint(folder, raw)
     cfg = load_hf_config(source.config)
     dims = attention_dims(cfg, family)
     valid = [1, dims.kv_heads] if family.mqa_only else divisors(dims.kv_heads)
@@ -78,6 +92,8 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     plan = plan_conversion(checkpoint, revision, source.config, family, dims, kv_heads, method, seed,
                      sum(i.numel for i in source.tensors), outputs, kv_dtype)
     describe_layerwise(plan, layerwise, calibration, sum(i.numel for i in source.tensors))
+    if header_note:
+        plan.notes.append(header_note)
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
     plan.timing_s["plan"] = time.perf_counter() - start
     return source, plan, outputs, new_config

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -102,8 +104,12 @@ class SourceCheckpoint:
         return mapping.tensors[info.name]
 
 
-def resolve_source(ckpt: str, revision: str | None = None) -> Path:
-    """A local checkpoint folder, or a Hub model id downloaded (or found in the cache) by huggingface_hub."""
+def resolve_source(ckpt: str, revision: str | None = None, weights: bool = True) -> Path:
+    """A local checkpoint folder, or a Hub model id downloaded (or found in the cache) by huggingface_hub.
+
+    weights=False fetches only config.json and the safetensors index: for `--dry-run`,
+    whose tensor list then comes from the safetensors headers (`open_hub_headers`).
+    """
     local = Path(ckpt).expanduser()
     if local.exists():
         if not local.is_dir():
@@ -112,12 +118,23 @@ def resolve_source(ckpt: str, revision: str | None = None) -> Path:
     if ckpt.startswith((".", "/", "~")) or ckpt.count("/") > 1 or os.sep in ckpt.replace("/", ""):
         raise UsageError(f"checkpoint folder {ckpt} does not exist; check the path")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-    try:
+
+    with hub_errors(ckpt, revision):
+        if not weights:  # the plan needs the config and the index, nothing else
+            return Path(snapshot_download(ckpt, revision=revision, allow_patterns=["config.json", SAFE_INDEX]))
         folder = Path(snapshot_download(ckpt, revision=revision, allow_patterns=_HUB_PATTERNS + ["*.safetensors"]))
         if not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(ckpt, revision=revision, allow_patterns=_HUB_PATTERNS + ["*.bin"]))
+    return folder
+
+
+@contextmanager
+def hub_errors(ckpt: str, revision: str | None) -> Iterator[None]:
+    """huggingface_hub's errors inside the block as one-line UsageErrors that say what to do."""
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    try:
+        yield
     except HFValidationError as err:
         raise UsageError(f"{ckpt!r} is neither a local folder nor a valid Hub model id") from err
     except (RepositoryNotFoundError, GatedRepoError) as err:
@@ -125,11 +142,10 @@ def resolve_source(ckpt: str, revision: str | None = None) -> Path:
                          f"with `hf auth login`") from err
     except RevisionNotFoundError as err:
         raise UsageError(f"Hub model {ckpt!r} has no revision {revision!r}") from err
-    except (LocalEntryNotFoundError, OSError) as err:
+    except (LocalEntryNotFoundError, OSError) as err:  # OfflineModeIsEnabled is a ConnectionError
         raise UsageError(f"cannot reach the Hugging Face Hub and {ckpt!r} (revision {revision or 'main'}) "
                          f"is not in the local cache; download it where the Hub is reachable, or pass "
                          f"a local checkpoint folder") from err
-    return folder
 
 
 def hub_model_id(ckpt: str, folder: Path) -> str | None:
@@ -141,6 +157,60 @@ def hub_model_id(ckpt: str, folder: Path) -> str | None:
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3].removeprefix("models--").replace("--", "/")
     return None
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether a folder holds weight files (safetensors or .bin) at all."""
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def open_hub_headers(repo_id: str, revision: str | None, folder: Path,
+                     config: dict[str, Any]) -> tuple[SourceCheckpoint, int]:
+    """The tensor list of a Hub checkpoint from its safetensors headers alone, and the bytes fetched.
+
+    huggingface_hub's `get_safetensors_metadata` reads each shard's header with HTTP range
+    requests (the first 100 kB, more only for a larger header), never the weights. The tensors
+    point at files in `folder` that do not exist locally: this source can be planned, not read.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    with count_hub_bytes() as fetched, hub_errors(repo_id, revision):
+        try:
+            meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+        except NotASafetensorsRepoError as err:
+            raise UsageError(f"Hub model {repo_id!r} has no safetensors weights, so a dry run cannot read "
+                             f"tensor shapes without downloading them; run without --dry-run") from err
+    infos = []
+    for filename, file_meta in sorted(meta.files_metadata.items()):
+        for name, t in file_meta.tensors.items():
+            if t.dtype not in SAFETENSORS_DTYPES:
+                raise UsageError(f"{filename}: tensor {name} has dtype {t.dtype}, which uptrain does not read")
+            infos.append(TensorInfo(name, tuple(t.shape), SAFETENSORS_DTYPES[t.dtype], folder / filename))
+    return SourceCheckpoint(folder, config, "safetensors", infos), fetched[0]
+
+
+@contextmanager
+def count_hub_bytes() -> Iterator[list[int]]:
+    """Bytes of response bodies huggingface_hub receives inside the block (`[n]`, filled on exit).
+
+    Counted from each GET response's Content-Length through an event hook of huggingface_hub's
+    own HTTP client (HEAD responses carry no body).
+    """
+    from huggingface_hub.utils import get_session
+
+    client, total = get_session(), [0]
+
+    def hook(response: Any) -> None:
+        if response.request.method != "HEAD":
+            total[0] += int(response.headers.get("content-length") or 0)
+
+    before = client.event_hooks
+    client.event_hooks = {**before, "response": [*before.get("response", []), hook]}
+    try:
+        yield total
+    finally:
+        client.event_hooks = before
 
 
 def _load_bin(file: Path) -> tuple[dict[str, torch.Tensor], bool]:
@@ -161,9 +231,11 @@ def _indexed_files(folder: Path, index_name: str) -> dict[str, Path]:
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise UsageError(f"{index_name} is not a valid index (no weight_map); fix or remove it") from err
     files: dict[str, Path] = {}
+    root = Path(os.path.abspath(folder))
     for name, shard in weight_map.items():
-        path = (folder / shard).resolve()
-        if path.parent != folder.resolve():
+        # Normalised, not resolved: in a huggingface_hub cache every file is a symlink into blobs/.
+        path = Path(os.path.normpath(root / shard))
+        if path.parent != root:
             raise UsageError(f"{index_name} names shard {shard!r} outside the checkpoint folder; refusing it")
         if not path.is_file():
             raise UsageError(f"{index_name} names shard {shard!r}, which is missing; download it again")
@@ -191,7 +263,7 @@ def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) 
             with safe_open(file, framework="pt") as f:
                 offsets = _data_offsets(file)
                 for name in f.keys():
-                    if wanted is not None and name_to_file.get(name) != file.resolve():
+                    if wanted is not None and name_to_file.get(name) != file:
                         continue
                     s = f.get_slice(name)
                     infos.append(TensorInfo(name, tuple(s.get_shape()), SAFETENSORS_DTYPES[s.get_dtype()], file,
