@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -117,29 +118,51 @@ class Phases:
 def _write_tensors(source: SourceCheckpoint, outputs: list[OutputTensor], writer: ShardWriter,
                    phases: Phases) -> None:
     """Unchanged safetensors tensors are copied as bytes (kernel to kernel); the rest are built
-    from their source tensors (read, then pool) and written."""
+    from their source tensors (read, then pool) and written.
+
+    The next tensor to build is built in a worker thread while the kernel copies the unchanged
+    tensors before it (both release the GIL), so pooling overlaps the byte copy; at most one
+    built tensor waits ahead of the writer.
+    """
+    def copied(o: OutputTensor) -> bool:
+        return o.unchanged and o.sources[0].offset is not None
+
+    def build(output: OutputTensor) -> torch.Tensor:
+        with phases("read"):
+            tensors = [source.read(s) for s in output.sources]
+        with phases("pool"):
+            return output.make(tensors).to(output.spec.dtype)
+
+    to_build = iter([o for o in outputs if not copied(o)])
     fds: dict[Path, int] = {}
-    try:
-        for output in outputs:
-            info = output.sources[0]
-            if output.unchanged and info.offset is not None:
-                with phases("copy"):
-                    if info.file not in fds:
-                        fds[info.file] = os.open(info.file, os.O_RDONLY)
-                    writer.copy(output.spec, fds[info.file], info.offset)
-                continue
-            with phases("read"):
-                tensors = [source.read(s) for s in output.sources]
-            with phases("pool"):
-                tensor = output.make(tensors).to(output.spec.dtype)
-            with phases("write"):
-                writer.write(output.spec.name, tensor)
-            del tensors, tensor
-        writer.close()
-    finally:
-        writer.release()
-        for fd in fds.values():
-            os.close(fd)
+    with ThreadPoolExecutor(1, thread_name_prefix="uptrain-pool") as pool:
+        ahead = None  # (output, future) of the next tensor to build
+        try:
+            for output in outputs:
+                if ahead is None:
+                    following = next(to_build, None)
+                    ahead = following and (following, pool.submit(build, following))
+                info = output.sources[0]
+                if copied(output):
+                    with phases("copy"):
+                        if info.file not in fds:
+                            fds[info.file] = os.open(info.file, os.O_RDONLY)
+                        writer.copy(output.spec, fds[info.file], info.offset)
+                    continue
+                assert ahead is not None and ahead[0] is output
+                with phases("wait for pool"):
+                    tensor = ahead[1].result()
+                ahead = None
+                with phases("write"):
+                    writer.write(output.spec.name, tensor)
+                del tensor
+            writer.close()
+        finally:
+            if ahead is not None:
+                ahead[1].cancel()
+            writer.release()
+            for fd in fds.values():
+                os.close(fd)
 
 
 def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: list[OutputTensor],
@@ -148,7 +171,9 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
 
     Phase times (seconds) go into `plan.timing_s` and the record: plan, copy (unchanged tensors,
     byte ranges moved by the kernel), read (opening source tensors: safetensors are mapped, so
-    their pages are read in during pool), pool, write, fsync (all files made durable).
+    their pages are read in during pool), pool (in a worker thread, beside the copy), wait for
+    pool (the writer idle until the next built tensor is ready), write, fsync (all files made
+    durable). read + pool overlap copy, so the phases add up to more than the wall time.
     """
     phases = Phases(plan.timing_s)
     with atomic_output_dir(out) as tmp:
