@@ -141,7 +141,7 @@ def _write_tensors(source: SourceCheckpoint, outputs: list[OutputTensor], writer
             for output in outputs:
                 if ahead is None:
                     following = next(to_build, None)
-                    ahead = following and (following, pool.submit(build, following))
+                    ahead = None if following is None else (following, pool.submit(build, following))
                 info = output.sources[0]
                 if copied(output):
                     with phases("copy"):
