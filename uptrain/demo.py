@@ -51,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=positive_int, default=2, help="K/V heads after conversion (of 8)")
     p.add_argument("--method", choices=["mean", "first", "random", "fit"], default="fit",
                    help="conversion method (fit: least squares with Q/O compensation; mean: the paper's)")
+    p.add_argument("--grouping", choices=["contiguous", "similar"], default="similar",
+                   help="which query heads share a K/V head (similar: equal groups of the most alike heads)")
     p.add_argument("--calib-tokens", type=int, default=16384,
                    help="--method fit: calibration tokens from the training sample (0: weights only)")
-    p.add_argument("--alpha-kd", type=float, default=0.9,
+    p.add_argument("--alpha-kd", type=float, default=1.0,
                    help="share of the distillation loss from the MHA source (0: plain LM uptraining)")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
@@ -74,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         from uptrain.convert.calibrate import Calibration
 
         calibration = Calibration(train_text, args.calib_tokens, "cpu")
-    how = args.method + (f", calibrated on {args.calib_tokens:,} tokens of {train_text.name}" if calibration else "")
+    how = args.method + (f", {args.grouping} grouping" if args.grouping != "contiguous" else "") + (f", calibrated on {args.calib_tokens:,} tokens of {train_text.name}" if calibration else "")
     converted = args.out / f"stories260K-gqa{args.kv_heads}"
     print(f"== convert {source.relative_to(REPO)} to {args.kv_heads} K/V heads ({how})")
-    convert(str(source), converted, args.kv_heads, args.method, force=True, calibration=calibration)
+    convert(str(source), converted, args.kv_heads, args.method, force=True, calibration=calibration,
+            grouping=args.grouping)
     rows = [("MHA source (8 K/V heads)", *held_out_loss(source, valid)),
             (f"GQA-{args.kv_heads}, converted ({args.method})", *held_out_loss(converted, valid))]
 
