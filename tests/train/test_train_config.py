@@ -19,7 +19,7 @@ from uptrain.train.config import load_config
 def test_every_shipped_yaml_parses_and_validates(monkeypatch):
     monkeypatch.chdir(REPO)  # configs name paths relative to the repository root
     demo = load_config("configs/demo-cpu.yaml")  # reads the bundled examples/data
-    assert demo.data.seq_len == 128 and demo.budget.total_tokens() == 200_000 and demo.data.val.files
+    assert demo.data.seq_len == 128 and demo.budget.total_tokens() == 400_000 and demo.data.val.files
     big = load_config("configs/llama2-7b-gqa8.yaml")
     assert big.expect_kv_heads == 8 and big.budget.total_tokens() == 100_000_000_000
     assert big.mixed_precision == "bf16" and big.resume == "latest"
