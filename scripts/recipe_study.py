@@ -221,9 +221,11 @@ def report_final(path: Path) -> None:
     """Markdown: one row per start; alpha 0, both recipes at 0.025 / 0.05 / 0.1 where run."""
     tuned = chosen_recipe(path)
     records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)}
-    columns = [(0.0, [], "alpha 0"), (0.025, [], "paper, 0.025"), (0.025, tuned, "recipe, 0.025"),
+    paper = ["optim.lr=1e-3"]  # stage 1's first row: the paper recipe itself
+    columns = [(0.0, [], "alpha 0"), (0.025, paper, "paper, 0.025"), (0.025, tuned, "recipe, 0.025"),
                (0.05, tuned, "recipe, 0.05"), (0.1, [], "paper, 0.1")]
-    print(f"recipe: `{' '.join(tuned)}`\n")
+    shown = [o.replace(str(REPO) + "/", "") for o in tuned]
+    print(f"recipe: `{' '.join(shown)}`\n")
     print("| start | " + " | ".join(c[2] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for s in FINAL_STARTS:
