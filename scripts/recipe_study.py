@@ -80,14 +80,15 @@ CONTROL_STAGES = {"peak learning rate"}
 
 
 def start_model(name: str) -> Path:
-    """The model folder of a start `kv{K}-{method}[-similar]` (fit: calibrated); converted with
-    the project's CLI the first time."""
+    """The model folder of a start `kv{K}-{method}[-similar]` (fit: calibrated; fitw: fit from the
+    weights alone); converted with the project's CLI the first time."""
     if name == CONTROL:
         return REFERENCE
     out = RUNS / "start" / name
     if not (out / "config.json").exists():
         kv, method, *grouping = name.removeprefix("kv").split("-")
         calib = ["--calib", str(TRAIN), "--calib-tokens", "16384"] if method == "fit" else []
+        method = "fit" if method == "fitw" else method  # fitw: the fit from the weights alone
         subprocess.run([sys.executable, "-m", "uptrain.convert", str(REFERENCE), "--kv-heads", kv,
                         "--method", method, *calib, "--grouping", grouping[0] if grouping else "contiguous",
                         "--seed", "0", "--out", str(out), "--force"],
@@ -173,7 +174,8 @@ def study(path: Path, alpha: float, val_batches: int, jobs: int, only_stages: in
         print(f"   best so far: {' '.join(best) or '(paper recipe)'}", flush=True)
 
 
-FINAL_STARTS = tuple(f"kv{kv}-{m}" for kv in (4, 2, 1) for m in ("mean", "fit", "fit-similar")) + (CONTROL,)
+FINAL_STARTS = tuple(f"kv{kv}-{m}" for kv in (4, 2, 1)
+                     for m in ("mean", "first", "fitw", "fit", "fit-similar")) + (CONTROL,)
 
 
 def final(path: Path, val_batches: int, jobs: int, threads: int, baselines_only: bool = False,
