@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "runs" / "recipe"
 REFERENCE = REPO / "results" / "paper" / "reference-mha8"
+TEACHER = "results/paper/reference-mha8"  # as the trainer reads it (its cwd is the repository root)
 TRAIN = REPO / "runs" / "paper" / "data" / "train.jsonl"
 T_TOKENS = 2_998_272  # the reference model's pre-training tokens
 CONFIG = "configs/paper/uptrain.yaml"
@@ -68,10 +69,10 @@ STAGES: list[tuple[str, dict[str, list[str]]]] = [
         "staged: kv for 1/3, then all": ["trainable_stages=[{trainable: kv, tokens: 24576}]"],
     }),
     ("distillation from the MHA model", {
-        "alpha_kd 0.5, T 1": [f"distill.teacher={REFERENCE}", "distill.alpha_kd=0.5"],
-        "alpha_kd 0.9, T 1": [f"distill.teacher={REFERENCE}", "distill.alpha_kd=0.9"],
-        "alpha_kd 1.0, T 1": [f"distill.teacher={REFERENCE}", "distill.alpha_kd=1.0"],
-        "alpha_kd 0.9, T 2": [f"distill.teacher={REFERENCE}", "distill.alpha_kd=0.9", "distill.temperature=2"],
+        "alpha_kd 0.5, T 1": [f"distill.teacher={TEACHER}", "distill.alpha_kd=0.5"],
+        "alpha_kd 0.9, T 1": [f"distill.teacher={TEACHER}", "distill.alpha_kd=0.9"],
+        "alpha_kd 1.0, T 1": [f"distill.teacher={TEACHER}", "distill.alpha_kd=1.0"],
+        "alpha_kd 0.9, T 2": [f"distill.teacher={TEACHER}", "distill.alpha_kd=0.9", "distill.temperature=2"],
     }),
 ]
 # Stages whose variants also run on the MHA control (distilling it from itself, or freezing
