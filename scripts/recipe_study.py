@@ -101,13 +101,17 @@ def cell_key(start: str, alpha: float, overrides: list[str]) -> str:
     return json.dumps([start, alpha, sorted(overrides)])
 
 
-def run_cell(start: str, alpha: float, overrides: list[str], val_batches: int | None, threads: int,
-             at_start: bool = False, folder: str = "cells") -> dict:
-    """One uptraining run; returns its record (final validation loss, seconds; with `at_start`
-    also the converted model's loss on the same blocks, `val_loss_step0`)."""
+def load_records(path: Path) -> dict[str, dict]:
+    """cell key -> record, from the study's JSON."""
+    return {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)}
+
+
+def run_cell(start: str, alpha: float, overrides: list[str], val_batches: int | None, threads: int) -> dict:
+    """One uptraining run; returns its record (final validation loss, seconds). alpha 0: the
+    converted model's loss on the same blocks, from the step-0 validation of a one-step run."""
     tag = f"{start}-a{alpha}-{hashlib.sha1(cell_key(start, alpha, overrides).encode()).hexdigest()[:10]}"
-    run_dir = RUNS / folder / tag
-    at_start = at_start or alpha == 0  # alpha 0: the converted model, scored before a single step
+    run_dir = RUNS / "cells" / tag
+    at_start = alpha == 0
     budget = (["budget.fraction=null", "budget.tokens=4096", "optim.warmup_steps=0"] if alpha == 0
               else [f"budget.fraction={alpha}", f"budget.pretrain_tokens={T_TOKENS}"])
     args = [sys.executable, "-m", "uptrain.train", CONFIG, f"model={start_model(start)}", f"run_dir={run_dir}",
@@ -123,10 +127,26 @@ def run_cell(start: str, alpha: float, overrides: list[str], val_batches: int | 
               "seconds": round(time.perf_counter() - began, 1), "run_dir": os.path.relpath(run_dir, REPO)}
     if at_start:
         first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-        record["val_loss_step0"] = first["val_loss"]
-    if alpha == 0:
-        record["val_loss"] = record["val_loss_step0"]
+        record["val_loss_step0"] = record["val_loss"] = first["val_loss"]
     return record
+
+
+def run_cells(path: Path, todo: list[tuple[str, float, list[str]]], val_batches: int | None, jobs: int,
+              threads: int) -> None:
+    """Run (start, alpha, overrides) cells `jobs` at a time; each record is saved as it finishes."""
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = [pool.submit(run_cell, s, a, ov, val_batches, threads) for s, a, ov in todo]
+        for f in concurrent.futures.as_completed(futures):
+            r = f.result()
+            save(path, {cell_key(r["start"], r["alpha"], r["overrides"]): r})
+            print(f"  {r['start']:15s} alpha {r['alpha']} {' '.join(r['overrides']) or '(paper recipe)'}: "
+                  f"{r['val_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)
+
+
+def stage_candidates(number: int, variants: dict[str, list[str]], best: list[str]) -> dict[str, list[str]]:
+    """label -> overrides of a stage: the best so far (from stage 2 on), then each variant on top of it."""
+    candidates = {"best so far": best} if number > 1 else {}
+    return candidates | {label: merged(best, ov) for label, ov in variants.items()}
 
 
 MIN_GAIN = 0.005  # nats: a variant must beat the best so far by more than this to replace it
@@ -151,27 +171,19 @@ def merged(base: list[str], extra: list[str]) -> list[str]:
 
 
 def study(path: Path, alpha: float, val_batches: int, jobs: int, only_stages: int) -> None:
-    records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)}
     for name in (CONTROL, *GQA_STARTS):
         start_model(name)
     threads = 1 if jobs > 1 else 2
     best: list[str] = []
     for number, (stage, variants) in enumerate(STAGES[:only_stages], start=1):
-        candidates = {"best so far": best} if number > 1 else {}
-        candidates.update({label: merged(best, ov) for label, ov in variants.items()})
+        candidates = stage_candidates(number, variants, best)
         starts = (*GQA_STARTS, CONTROL) if stage in CONTROL_STAGES else GQA_STARTS
-        todo = [(s, ov) for ov in candidates.values() for s in starts
+        records = load_records(path)
+        todo = [(s, alpha, ov) for ov in candidates.values() for s in starts
                 if cell_key(s, alpha, ov) not in records]
         print(f"== stage {number}: {stage}: {len(todo)} runs to do", flush=True)
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            futures = [pool.submit(run_cell, s, alpha, ov, val_batches, threads) for s, ov in todo]
-            for f in concurrent.futures.as_completed(futures):
-                r = f.result()
-                records[cell_key(r["start"], r["alpha"], r["overrides"])] = r
-                print(f"  {r['start']:9s} {' '.join(r['overrides']) or '(paper recipe)'}: {r['val_loss']:.4f} "
-                      f"({r['seconds']:.0f} s)", flush=True)
-                save(path, records)
-        best = best_overrides(records, list(candidates.values()), alpha)
+        run_cells(path, todo, val_batches, jobs, threads)
+        best = best_overrides(load_records(path), list(candidates.values()), alpha)
         print(f"   best so far: {' '.join(best) or '(paper recipe)'}", flush=True)
 
 
@@ -196,23 +208,16 @@ def final(path: Path, val_batches: int, jobs: int, threads: int, baselines_only:
     for name in FINAL_STARTS:
         start_model(name)
     for batch in batches:
-        records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)}
-        todo = [b for b in batch if cell_key(*b) not in records]
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            futures = [pool.submit(run_cell, s, a, ov, val_batches, threads) for s, a, ov in todo]
-            for f in concurrent.futures.as_completed(futures):
-                r = f.result()
-                save(path, {cell_key(r["start"], r["alpha"], r["overrides"]): r})
-                print(f"  {r['start']:15s} alpha {r['alpha']} {' '.join(r['overrides']) or '(paper recipe)'}: "
-                      f"{r['val_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)
+        records = load_records(path)
+        run_cells(path, [b for b in batch if cell_key(*b) not in records], val_batches, jobs, threads)
 
 
 def chosen_recipe(study_path: Path) -> list[str]:
     """The overrides the greedy stages of the study chose (all stages must be complete)."""
-    records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(study_path)}
+    records = load_records(study_path)
     best: list[str] = []
     for number, (_, variants) in enumerate(STAGES, start=1):
-        candidates = ([best] if number > 1 else []) + [merged(best, ov) for ov in variants.values()]
+        candidates = list(stage_candidates(number, variants, best).values())
         missing = [c for c in candidates for s in GQA_STARTS if cell_key(s, 0.025, c) not in records]
         if missing:
             raise SystemExit(f"the study is not complete (stage {number}); run it first")
@@ -223,7 +228,7 @@ def chosen_recipe(study_path: Path) -> list[str]:
 def report_final(path: Path) -> None:
     """Markdown: one row per start; alpha 0, both recipes at 0.025 / 0.05 / 0.1 where run."""
     tuned = chosen_recipe(path)
-    records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)}
+    records = load_records(path)
     paper = ["optim.lr=1e-3"]  # stage 1's first row: the paper recipe itself
     columns = [(0.0, [], "alpha 0"), (0.025, paper, "paper, 0.025"), (0.025, tuned, "recipe, 0.025"),
                (0.05, tuned, "recipe, 0.05"), (0.1, [], "paper, 0.1")]
@@ -245,7 +250,7 @@ def save(path: Path, records: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        merged_records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)} | records
+        merged_records = load_records(path) | records
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(list(merged_records.values()), indent=1) + "\n")
         tmp.replace(path)
@@ -253,12 +258,11 @@ def save(path: Path, records: dict) -> None:
 
 def report(path: Path, alpha: float) -> None:
     """Markdown tables: one row per variant, one column per start, in stage order."""
-    records = {cell_key(r["start"], r["alpha"], r["overrides"]): r for r in load(path)}
+    records = load_records(path)
     starts = (*GQA_STARTS, CONTROL)
     best: list[str] = []
     for number, (stage, variants) in enumerate(STAGES, start=1):
-        candidates = {"best so far": best} if number > 1 else {}
-        candidates.update({label: merged(best, ov) for label, ov in variants.items()})
+        candidates = stage_candidates(number, variants, best)
         print(f"\n**Stage {number}: {stage}** (on top of: `{' '.join(best) or 'paper recipe'}`)\n")
         print("| variant | " + " | ".join(starts) + " | mean of GQA |")
         print("|---" * (len(starts) + 2) + "|")
