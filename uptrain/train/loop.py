@@ -169,7 +169,8 @@ def setup_run(config: TrainConfig) -> Run:
 def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model to train (fp32 master weights) and the frozen teacher, if distilling."""
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
-    apply_trainable(model, config.trainable, *(s.trainable for s in config.trainable_stages))  # frozen parameters: requires_grad False, not in the optimizer
+    # frozen parameters: requires_grad False, not in the optimizer
+    apply_trainable(model, config.trainable, *(s.trainable for s in config.trainable_stages))
     model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
     if config.gradient_checkpointing:
         # Recompute activations in backward: less memory, more compute (renamed in transformers 5.x).
@@ -224,9 +225,10 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
     t_start, tokens_seen, record = time.time(), 0, {}
     current = None
     for step in range(start_step, plan.steps):
-        if run.trainable_ranges and trainable_at(run.trainable_ranges, step) != current:
-            current = trainable_at(run.trainable_ranges, step)
-            set_trainable(accelerator.unwrap_model(model), current)  # a new stage (or a resume inside one)
+        stage = trainable_at(run.trainable_ranges, step) if run.trainable_ranges else None
+        if stage != current:  # a new stage (or a resume inside one)
+            current = stage
+            set_trainable(accelerator.unwrap_model(model), current)
         lr = lr_at(step, plan.steps, config.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
