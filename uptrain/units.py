@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import Any
 
 from uptrain.errors import UsageError
 
-# Output / load dtypes a user can name on a command line.
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Output / load dtypes a user can name on a command line. `DTYPES` maps them to torch dtypes and
+# is built on first use (PEP 562), so a CLI can parse its arguments before torch is imported.
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module 'uptrain.units' has no attribute {name!r}")
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from uptrain.errors import UsageError
 from uptrain.convert.source import TensorSpec
-from uptrain.convert.shards import ShardWriter, atomic_output_dir, plan_shards
+from uptrain.convert.shards import ShardWriter, atomic_output_dir, finish_shards, plan_shards
 from uptrain.units import parse_size
 
 
@@ -23,11 +23,12 @@ def test_written_shards_read_back_with_safetensors(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b.bf16": torch.randn(7).bfloat16(), "c.int": torch.arange(6).view(2, 3),
                "d.scalar": torch.tensor(2.5), "e.bool": torch.tensor([True, False, True]),
                "f.half": torch.randn(4, 4).half(), "g.empty": torch.zeros(0, 3)}
-    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype).stored() for n, t in tensors.items()]
     writer = ShardWriter(tmp_path, specs, max_shard_bytes=64)
     for name, t in tensors.items():
         writer.write(name, t)
     writer.close()
+    finish_shards(tmp_path, [writer])
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == len(writer.shards) > 1
     read = {}
@@ -41,7 +42,7 @@ def test_written_shards_read_back_with_safetensors(tmp_path):
 
 
 def test_writer_refuses_tensors_off_plan(tmp_path):
-    writer = ShardWriter(tmp_path, [TensorSpec("a", (2,), torch.float32)], 100)
+    writer = ShardWriter(tmp_path, [TensorSpec("a", (2,), torch.float32).stored()], 100)
     with pytest.raises(RuntimeError, match="does not match the plan"):
         writer.write("a", torch.zeros(3))
     with pytest.raises(RuntimeError, match="wrote 0 of 1"):
@@ -49,7 +50,7 @@ def test_writer_refuses_tensors_off_plan(tmp_path):
 
 
 def test_plan_shards_keeps_order_and_limit():
-    specs = [TensorSpec(str(i), (n,), torch.float32) for i, n in enumerate([10, 10, 30, 5, 5])]
+    specs = [TensorSpec(str(i), (n,), torch.float32).stored() for i, n in enumerate([10, 10, 30, 5, 5])]
     shards = plan_shards(specs, max_shard_bytes=80)
     assert [[s.name for s in shard] for shard in shards] == [["0", "1"], ["2"], ["3", "4"]]
 
@@ -155,6 +156,7 @@ def test_copy_range_by_every_path(tmp_path, monkeypatch, available):
         if name not in available and hasattr(os, name):
             monkeypatch.delattr(os, name)
     monkeypatch.setattr(shards, "_CHUNK", 4096)  # several calls per range
+    monkeypatch.setattr(shards, "_COPY_CHUNK", 4096)
     data = os.urandom(50_000)
     (tmp_path / "src").write_bytes(data)
     src = os.open(tmp_path / "src", os.O_RDONLY)

@@ -1,6 +1,13 @@
 """`python -m uptrain.convert CKPT --kv-heads N --out DIR`: MHA (or GQA) -> GQA with fewer K/V heads.
 
 The command-line face of uptrain.convert.pipeline: parse, print the plan, write (or not).
+
+Importing torch and transformers takes seconds, as long as copying gigabytes. So for a local
+safetensors checkpoint pooled the paper's way (the common case), the tensors that pass through
+unchanged are listed from the headers and their copy starts at once, while a worker thread
+imports, plans (the plan is printed when ready) and builds the pooled tensors. Everything the
+copy needs is standard library; the plan must then confirm every tensor copied, or the copy is
+discarded and the plan written as usual.
 """
 
 from __future__ import annotations
@@ -8,17 +15,16 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
-from uptrain.convert.calibrate import Calibration
-from uptrain.convert.heads import METHODS
-from uptrain.convert.layerwise import GROUPINGS
-from uptrain.convert.pipeline import prepare, write_converted
-from uptrain.convert.plan import format_plan, format_timing
-from uptrain.convert.shards import check_output_path
 from uptrain.cli import ArgParser, prog_name
+from uptrain.convert.choices import GROUPINGS, METHODS
+from uptrain.convert.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
+from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.units import DTYPES, parse_size
+from uptrain.units import DTYPE_NAMES, parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
     p.add_argument("--revision", help="Hub branch, tag or commit")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: keep the source's)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="output dtype (default: keep the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing (a Hub id: reads only config and safetensors headers)")
@@ -47,38 +53,109 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _copy_while_planning(args: argparse.Namespace) -> list[StoredRange] | None:
+    """The tensors to copy while planning, when the headers alone can tell (see the module doc)."""
+    folder = Path(args.checkpoint).expanduser()
+    if (args.dry_run or args.method == "fit" or args.grouping != "contiguous" or args.dtype or args.calib
+            or not folder.is_dir() or not (folder / "config.json").is_file()):
+        return None
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return kept_by_pooling(folder.resolve(), config) if isinstance(config, dict) else None
+
+
+def _prepare_args(args: argparse.Namespace, calibration: Any = None) -> dict[str, Any]:
+    from uptrain.units import DTYPES
+
+    return dict(checkpoint=args.checkpoint, kv_heads=args.kv_heads, method=args.method, seed=args.seed,
+                revision=args.revision, dtype=DTYPES.get(args.dtype), grouping=args.grouping,
+                calibration=calibration, headers_only=args.dry_run)
+
+
+def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], max_shard: int,
+                            phases: Phases) -> Any:
+    """Copy `kept` into the output while a worker imports torch and transformers, plans, prints
+    the plan and builds the rest; returns the plan."""
+    check_output_path(args.out, Path(args.checkpoint).expanduser(), args.force)
+    printed = threading.Lock()
+
+    with atomic_output_dir(args.out) as tmp:
+        writer = ShardWriter(tmp, kept, max_shard, stem="kept")
+
+        def job(cancel: threading.Event) -> Any:
+            with phases("import"):
+                from uptrain.convert import pipeline
+                from uptrain.convert.plan import format_plan
+
+            def on_planned(plan: Any) -> None:
+                with printed:
+                    print(format_plan(plan), flush=True)
+            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel, on_planned, **_prepare_args(args))
+
+        planned = copy_beside(kept, writer, phases, job)
+        from uptrain.convert import pipeline
+
+        if planned.built is None:  # the plan keeps fewer tensors than the headers suggested
+            writer.discard()
+            pipeline.finish_folder(tmp, planned, pipeline.write_tensors(tmp, planned, max_shard, phases), phases)
+        else:
+            pipeline.finish_folder(tmp, planned, [writer, planned.built], phases, copied_while_planning=True)
+    return planned.plan
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
+    phases = Phases()
     args = build_parser().parse_args(argv)
     if not args.dry_run and args.out is None:
         raise UsageError("--out is required (or pass --dry-run to only print the plan)")
     max_shard = parse_size(args.max_shard_size)
     if args.calib_tokens <= 0:
         raise UsageError(f"--calib-tokens must be positive, got {args.calib_tokens}")
-    calibration = Calibration(args.calib, args.calib_tokens, args.device) if args.calib else None
-    source, plan, outputs, new_config = prepare(args.checkpoint, args.kv_heads, args.method, args.seed,
-                                                args.revision, DTYPES.get(args.dtype), grouping=args.grouping,
-                                                calibration=calibration, headers_only=args.dry_run)
-    if not args.dry_run:
-        check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
-    print(format_plan(plan))
-    if args.dry_run:
-        print("dry run: nothing written")
-        return 0
     try:
-        write_converted(source, plan, outputs, new_config, args.out, max_shard)
+        kept = _copy_while_planning(args)
+        if kept is not None:
+            plan = _convert_while_planning(args, kept, max_shard, phases)
+        else:
+            plan = _plan_then_convert(args, max_shard, phases)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise UsageError(f"cannot write {args.out}: {err.strerror}; free space and run again "
                              f"(nothing was left behind)") from err
         raise
+    if plan is None:
+        print("dry run: nothing written")
+        return 0
     if plan.calibration and "seconds" in plan.calibration:
         c = plan.calibration
         print(f"calibration: {c['tokens_used']:,} tokens ({c['documents']} documents) in {c['seconds']} s")
     print(f"wrote {args.out}")
     if args.verbose:
+        from uptrain.convert.plan import format_timing
+
         print(f"time: {format_timing(plan)}")
     return 0
+
+
+def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases) -> Any:
+    """Plan (imports first), print the plan, then write both streams; None for a dry run."""
+    with phases("import"):
+        from uptrain.convert.calibrate import Calibration
+        from uptrain.convert.pipeline import prepare, write_converted
+        from uptrain.convert.plan import format_plan
+    calibration = Calibration(args.calib, args.calib_tokens, args.device) if args.calib else None
+    source, plan, outputs, new_config = prepare(**_prepare_args(args, calibration))
+    if not args.dry_run:
+        check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
+    print(format_plan(plan))
+    if args.dry_run:
+        return None
+    write_converted(source, plan, outputs, new_config, args.out, max_shard, phases)
+    return plan
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from uptrain.errors import UsageError
-from uptrain.convert.heads import QKVLayout
+from uptrain.convert.choices import QKVLayout
 
 # How a rule's tensor holds heads:
 #   "heads":     first dim is kv_heads equal blocks (k_proj/v_proj weight or bias, per-head norm)

@@ -10,13 +10,9 @@ weight [heads, head_dim] (block of 1 row) or an OLMo-2 k_norm weight [heads * he
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-Method = Literal["mean", "first", "random", "fit"]
-METHODS: tuple[Method, ...] = ("mean", "first", "random", "fit")  # fit: see convert/fit.py, layerwise.py
-QKVLayout = Literal["blocks", "grouped"]
+from uptrain.convert.choices import METHODS, Method, QKVLayout  # noqa: F401 (re-exported)
 
 
 def _group_view(t: torch.Tensor, heads: int, groups: int) -> torch.Tensor:

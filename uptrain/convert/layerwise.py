@@ -15,17 +15,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from uptrain.convert.choices import GROUPINGS, Grouping
 from uptrain.convert.fit import fit_keys, fit_values, rotary_planes
 from uptrain.convert.grouping import group_permutation, head_similarity
 from uptrain.convert.heads import merge_qkv, repeat_heads, split_qkv
 from uptrain.errors import UsageError
 
-Grouping = Literal["contiguous", "similar"]
-GROUPINGS: tuple[Grouping, ...] = ("contiguous", "similar")
 
 # RoPE pairs dims 2i, 2i+1 in these types (rotate_half on x[..., 0::2] / x[..., 1::2]); others i, i+hd/2
 INTERLEAVED_ROPE = frozenset({"cohere", "cohere2", "helium", "glm", "glm4", "ernie4_5"})

@@ -1,7 +1,9 @@
 """The conversion pipeline: plan (read headers only), then stream tensors into a new folder.
 
 Streams the source one tensor at a time into new safetensors shards inside a temporary folder
-beside DIR, which is renamed to DIR only when everything is written.
+beside DIR, which is renamed to DIR only when everything is written. Two streams at once: the
+tensors kept unchanged are copied by the kernel (`passthrough`) while a worker thread builds the
+pooled ones; the kept tensors fill the first shards, the built ones the last.
 """
 
 from __future__ import annotations
@@ -9,25 +11,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from uptrain.convert.architectures import family_for
 from uptrain.convert.calibrate import Calibration
 from uptrain.convert.layerwise import describe_layerwise, layerwise_settings
-from uptrain.convert.source import (SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights, hub_model_id,
-                                    open_checkpoint, open_hub_headers, read_config, resolve_source)
+from uptrain.convert.passthrough import Phases, StoredRange, copy_beside
+from uptrain.convert.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
+                                    hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
 from uptrain.errors import UsageError
 from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
 from uptrain.convert.heads import divisors
-from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path, sync_tree
+from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path, finish_shards, sync_tree
 from uptrain.units import parse_size
 from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
 
@@ -100,95 +105,146 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     return source, plan, outputs, new_config
 
 
-class Phases:
-    """Seconds spent per phase, summed over calls: `with phases("read"): ...`."""
+@dataclass
+class Planned:
+    """A planned conversion (what `prepare` returns) and, once written, the shards of the tensors it builds."""
 
-    def __init__(self, seconds: dict[str, float]):
-        self.seconds = seconds
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+    source: SourceCheckpoint
+    plan: ConversionPlan
+    outputs: list[OutputTensor]
+    new_config: dict
+    built: ShardWriter | None = None
 
 
-def _write_tensors(source: SourceCheckpoint, outputs: list[OutputTensor], writer: ShardWriter,
-                   phases: Phases) -> None:
-    """Unchanged safetensors tensors are copied as bytes (kernel to kernel); the rest are built
-    from their source tensors (read, then pool) and written.
+def kept_ranges(outputs: list[OutputTensor]) -> list[StoredRange]:
+    """The outputs copied byte for byte (unchanged safetensors tensors), in (file, offset) order."""
+    kept = [StoredRange(o.spec.name, o.spec.shape, DTYPE_NAMES[o.spec.dtype], o.sources[0].file, o.sources[0].offset)
+            for o in outputs if o.unchanged and o.sources[0].offset is not None]
+    return sorted(kept, key=lambda t: (str(t.file), t.offset))
 
-    The next tensor to build is built in a worker thread while the kernel copies the unchanged
-    tensors before it (both release the GIL), so pooling overlaps the byte copy; at most one
-    built tensor waits ahead of the writer.
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block (process-wide), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, outputs: list[OutputTensor],
+                  kept_names: set[str], max_shard_bytes: int, phases: Phases, cancel: threading.Event
+                  ) -> ShardWriter:
+    """Build every output not in `kept_names` (read its sources, pool) and write it into `built-*`
+    shards in plan order, one tensor in memory at a time; stops unfinished once `cancel` is set.
+    Unchanged ones among them (K/V heads kept as they are) are copied as bytes here too.
+
+    Plain pooling (no `--method fit`, contiguous groups) is a few additions per byte: it runs on
+    all cores but one, which is left to the kernel's copy and writeback beside it (on 2 cores,
+    measured: 2 pooling threads slowed the 7B copy by about 15%).
     """
-    def copied(o: OutputTensor) -> bool:
-        return o.unchanged and o.sources[0].offset is not None
-
-    def build(output: OutputTensor) -> torch.Tensor:
-        with phases("read"):
-            tensors = [source.read(s) for s in output.sources]
-        with phases("pool"):
-            return output.make(tensors).to(output.spec.dtype)
-
-    to_build = iter([o for o in outputs if not copied(o)])
-    fds: dict[Path, int] = {}
-    with ThreadPoolExecutor(1, thread_name_prefix="uptrain-pool") as pool:
-        ahead = None  # (output, future) of the next tensor to build
-        try:
-            for output in outputs:
-                if ahead is None:
-                    following = next(to_build, None)
-                    ahead = None if following is None else (following, pool.submit(build, following))
+    built = [o for o in outputs if o.spec.name not in kept_names]
+    writer = ShardWriter(tmp, [o.spec.stored() for o in built], max_shard_bytes, stem="built")
+    plain = plan.method != "fit" and plan.grouping == "contiguous"
+    threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)) if plain else torch.get_num_threads()
+    try:
+        with _torch_threads(threads):
+            for output in built:
+                if cancel.is_set():
+                    return writer
                 info = output.sources[0]
-                if copied(output):
-                    with phases("copy"):
-                        if info.file not in fds:
-                            fds[info.file] = os.open(info.file, os.O_RDONLY)
-                        writer.copy(output.spec, fds[info.file], info.offset)
+                if output.unchanged and info.offset is not None:
+                    with phases("write built"), open(info.file, "rb") as f:
+                        writer.copy(output.spec.stored(), f.fileno(), info.offset)
                     continue
-                assert ahead is not None and ahead[0] is output
-                with phases("wait for pool"):
-                    tensor = ahead[1].result()
-                ahead = None
-                with phases("write"):
+                with phases("read"):
+                    tensors = [source.read(s) for s in output.sources]
+                with phases("pool"):
+                    tensor = output.make(tensors).to(output.spec.dtype)
+                del tensors
+                with phases("write built"):
                     writer.write(output.spec.name, tensor)
                 del tensor
-            writer.close()
-        finally:
-            if ahead is not None:
-                ahead[1].cancel()
-            writer.release()
-            for fd in fds.values():
-                os.close(fd)
+        writer.close()
+    finally:
+        writer.release()
+    return writer
+
+
+def write_tensors(tmp: Path, planned: Planned, max_shard_bytes: int, phases: Phases) -> list[ShardWriter]:
+    """Both streams of a planned conversion: this thread copies the kept tensors while a worker
+    builds the others (the kernel's copy and torch's pooling both release the GIL)."""
+    kept = kept_ranges(planned.outputs)
+    writer = ShardWriter(tmp, kept, max_shard_bytes, stem="kept")
+    names = {t.name for t in kept}
+    built = copy_beside(kept, writer, phases, lambda cancel: build_outputs(
+        tmp, planned.source, planned.plan, planned.outputs, names, max_shard_bytes, phases, cancel))
+    return [writer, built]
+
+
+def plan_and_build(tmp: Path, kept: list[StoredRange], max_shard_bytes: int, phases: Phases,
+                   cancel: threading.Event, on_planned: Callable[[ConversionPlan], None],
+                   **prepare_args: Any) -> Planned:
+    """`prepare`, then build what is not in `kept` (being copied meanwhile by another thread).
+
+    `kept` was guessed from the headers alone (`passthrough.kept_by_pooling`). Only if the plan
+    copies every one of those tensors unchanged, byte range for byte range, are the others built
+    here; otherwise `built` stays None and the caller discards the copy and writes the plan.
+    """
+    planned = Planned(*prepare(**prepare_args))
+    if cancel.is_set():  # the copy failed meanwhile
+        return planned
+    on_planned(planned.plan)
+    if set(kept) <= set(kept_ranges(planned.outputs)):
+        planned.built = build_outputs(tmp, planned.source, planned.plan, planned.outputs, {t.name for t in kept},
+                                      max_shard_bytes, phases, cancel)
+    return planned
+
+
+def finish_folder(tmp: Path, planned: Planned, writers: list[ShardWriter], phases: Phases,
+                  copied_while_planning: bool = False) -> None:
+    """Name the shards, add config, tokenizer files, card and record, and make everything durable.
+
+    writers: [kept (copied) tensors, built tensors].
+    """
+    finish_shards(tmp, writers)
+    source, plan = planned.source, planned.plan
+    kept, built = ([spec for shard in w.shards for spec in shard] for w in writers)
+    plan.streams = {"kept_tensors": len(kept), "kept_bytes": sum(t.nbytes for t in kept),
+                    "built_tensors": len(built), "built_bytes": sum(t.nbytes for t in built),
+                    "copied_while_planning": copied_while_planning}
+    with phases("write"):
+        for path in auxiliary_files(source.path):
+            shutil.copyfile(path, tmp / path.name)
+        (tmp / "config.json").write_text(json.dumps(planned.new_config, indent=2) + "\n")
+        card = render_model_card(plan, source_card_metadata(source.path / "README.md"),
+                                 hub_model_id(plan.source, source.path))
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+    with phases("fsync"):  # the weights; the record below is synced with the folder on exit
+        sync_tree(tmp)
+    plan.timing_s = {k: round(v, 3) for k, v in {**plan.timing_s, **phases.seconds}.items()}
+    plan.timing_s["wall"] = round(phases.elapsed(), 3)
+    (tmp / RECORD_FILE).write_text(json.dumps(plan.record(), indent=2, default=str) + "\n")
 
 
 def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: list[OutputTensor],
-                    new_config: dict, out: Path, max_shard_bytes: int) -> None:
+                    new_config: dict, out: Path, max_shard_bytes: int, phases: Phases | None = None) -> None:
     """Stream the outputs into `out` (all or nothing) with config, tokenizer files, card and record.
 
-    Phase times (seconds) go into `plan.timing_s` and the record: plan, copy (unchanged tensors,
-    byte ranges moved by the kernel), read (opening source tensors: safetensors are mapped, so
-    their pages are read in during pool), pool (in a worker thread, beside the copy), wait for
-    pool (the writer idle until the next built tensor is ready), write, fsync (all files made
-    durable). read + pool overlap copy, so the phases add up to more than the wall time.
+    Phase times (seconds; `phases`, started by the caller, or here) go into `plan.timing_s` and
+    the record: copy (unchanged tensors, byte ranges moved by the kernel), wait for build (the
+    copy done, waiting for the worker), write (config, tokenizer, card), fsync (all files made
+    durable) run one after the other; read (opening source tensors: safetensors are mapped, so
+    their pages are read in during pool), pool and write built run in the worker beside the
+    copy, and so do import and plan where the CLI starts the copy before planning. wall: the
+    whole, from the start of `phases`.
     """
-    phases = Phases(plan.timing_s)
+    phases = phases or Phases()
+    planned = Planned(source, plan, outputs, new_config)
     with atomic_output_dir(out) as tmp:
-        _write_tensors(source, outputs, ShardWriter(tmp, [o.spec for o in outputs], max_shard_bytes), phases)
-        with phases("write"):
-            for path in auxiliary_files(source.path):
-                shutil.copyfile(path, tmp / path.name)
-            (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
-            card = render_model_card(plan, source_card_metadata(source.path / "README.md"),
-                                     hub_model_id(plan.source, source.path))
-            (tmp / "README.md").write_text(card, encoding="utf-8")
-        with phases("fsync"):  # the weights; the record below is synced with the folder on exit
-            sync_tree(tmp)
-        plan.timing_s = {k: round(v, 3) for k, v in plan.timing_s.items()}
-        (tmp / RECORD_FILE).write_text(json.dumps(plan.record(), indent=2, default=str) + "\n")
+        finish_folder(tmp, planned, write_tensors(tmp, planned, max_shard_bytes, phases), phases)
 
 
 def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, seed: int = 0,
@@ -196,9 +252,10 @@ def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, 
             force: bool = False, allow_expand: bool = False, grouping: str = "contiguous",
             calibration: Calibration | None = None) -> ConversionPlan:
     """Convert `checkpoint` into `out` with `kv_heads` K/V heads; the Python API behind the CLI."""
+    phases = Phases()
     max_shard = parse_size(max_shard_size)
     source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand,
                                                 grouping, calibration)
     check_output_path(out, source.path, force)
-    write_converted(source, plan, outputs, new_config, out, max_shard)
+    write_converted(source, plan, outputs, new_config, out, max_shard, phases)
     return plan

@@ -39,6 +39,8 @@ class ConversionPlan:
     grouping: str = "contiguous"  # which query heads share a K/V head (layerwise.py)
     calibration: dict[str, Any] | None = None  # --calib: file, tokens, device, seconds (calibrate.py)
     head_order: dict[str, list[int]] | None = None  # --grouping similar: layer -> source query head per position
+    # tensors copied byte for byte / built, their bytes, and whether the copy started before planning
+    streams: dict[str, Any] | None = None
 
     @property
     def group_size(self) -> int:
@@ -79,15 +81,18 @@ def plan_conversion(source: str, revision: str | None, config: dict[str, Any], f
         cache_shrinks=family.cache_shrinks)
 
 
-OVERLAPPED_PHASES = ("read", "pool")  # run in a worker thread beside the copy
+BESIDE_THE_COPY = ("import", "plan", "read", "pool", "write built")  # worker-thread phases, when overlapped
 
 
 def format_timing(plan: ConversionPlan) -> str:
-    """One line of phase times: 'plan 0.41 s, copy 12.0 s, ... total 30.2 s' (the total leaves out
-    read and pool, which overlap the copy)."""
+    """One line of phase times: 'import 3.9 s, plan 1.2 s, copy 27.0 s, ...; wall 31.2 s (...)'."""
     t = plan.timing_s
-    total = sum(v for k, v in t.items() if k not in OVERLAPPED_PHASES)
-    return ", ".join(f"{k} {v:.2f} s" for k, v in t.items()) + f"; total {total:.2f} s (read and pool beside the copy)"
+    beside = [k for k in BESIDE_THE_COPY if k in t and (k not in ("import", "plan") or
+                                                        (plan.streams or {}).get("copied_while_planning"))]
+    line = ", ".join(f"{k} {v:.2f} s" for k, v in t.items() if k != "wall")
+    if "wall" in t:
+        line += f"; wall {t['wall']:.2f} s"
+    return line + (f" ({', '.join(beside)} beside the copy)" if beside else "")
 
 
 def human_bytes(n: float) -> str:

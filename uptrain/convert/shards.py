@@ -5,6 +5,12 @@ layout (names, shapes, dtypes) is known before any data is read, so each shard's
 written first and tensors are streamed into it one at a time: peak memory is one tensor, not
 one shard. The files are standard safetensors (8-byte header length, JSON header, raw data),
 read back by `safetensors.safe_open` in the tests.
+
+A conversion writes two streams at once, each with its own `ShardWriter`: the tensors it keeps
+(byte ranges copied by the kernel) and the tensors it builds (pooled K/V). `finish_shards` then
+names all their files `model-0000i-of-0000N.safetensors` and writes the index. Standard library
+only (torch is imported by `ShardWriter.write` when it is first given a tensor), so the copy
+can start before torch is imported.
 """
 
 from __future__ import annotations
@@ -17,14 +23,16 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from uptrain.convert.source import SAFE_INDEX, SAFETENSORS_DTYPES, TensorSpec
+from uptrain.convert.passthrough import SAFE_INDEX, StoredTensor
 from uptrain.errors import UsageError
 
-_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-_CHUNK = 64 * 2**20  # bytes per system call: write() caps one call below 2 GiB on Linux
+if TYPE_CHECKING:
+    import torch
+
+_CHUNK = 64 * 2**20  # bytes per write() from user space: write() caps one call below 2 GiB on Linux
+_COPY_CHUNK = 2**30  # bytes per copy_file_range/sendfile call (no memory involved; fewer GIL hand-offs)
 # copy_file_range/sendfile errors that mean "not between these files", not "failed": fall back
 _NO_FAST_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.ETXTBSY}
 
@@ -48,9 +56,9 @@ def copy_range(src_fd: int, dst_fd: int, offset: int, nbytes: int) -> None:
             continue
         try:
             while done < nbytes:
-                n = (os.copy_file_range(src_fd, dst_fd, min(nbytes - done, _CHUNK), offset + done)
+                n = (os.copy_file_range(src_fd, dst_fd, min(nbytes - done, _COPY_CHUNK), offset + done)
                      if fast == "copy_file_range" else
-                     os.sendfile(dst_fd, src_fd, offset + done, min(nbytes - done, _CHUNK)))
+                     os.sendfile(dst_fd, src_fd, offset + done, min(nbytes - done, _COPY_CHUNK)))
                 if n == 0:
                     raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
                 done += n
@@ -66,12 +74,12 @@ def copy_range(src_fd: int, dst_fd: int, offset: int, nbytes: int) -> None:
         done += len(chunk)
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+def plan_shards(specs: list[StoredTensor], max_shard_bytes: int) -> list[list[StoredTensor]]:
     """Split tensors, in order, into shards of at most max_shard_bytes (a bigger tensor gets its own)."""
-    shards: list[list[TensorSpec]] = [[]]
+    shards: list[list[StoredTensor]] = []
     size = 0
     for spec in specs:
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+        if not shards or (shards[-1] and size + spec.nbytes > max_shard_bytes):
             shards.append([])
             size = 0
         shards[-1].append(spec)
@@ -80,43 +88,42 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 
 
 class ShardWriter:
-    """Streams tensors into pre-planned safetensors shards and writes the HF index at the end.
+    """Streams tensors into pre-planned safetensors shards `{stem}-0000i.safetensors` in `folder`.
 
     Call `write` (a tensor) or `copy` (its bytes from another file) once per planned tensor, in
-    plan order; `close` checks that all were written.
+    plan order; `close` checks that all were written; `finish_shards` gives the files their
+    final names and writes the index.
     """
 
-    def __init__(self, folder: Path, specs: list[TensorSpec], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None):
+    def __init__(self, folder: Path, specs: list[StoredTensor], max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None, stem: str = "shard"):
         self.folder = folder
         self.shards = plan_shards(specs, max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
-        n = len(self.shards)
-        self.file_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
-                           for i in range(n)]
+        self.files = [folder / f"{stem}-{i + 1:05d}.safetensors" for i in range(len(self.shards))]
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._position = 0
         self._fd: int | None = None
         self._open_shard = -1
 
     def _start_shard(self, index: int) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self.release()
         header: dict[str, object] = {"__metadata__": self.metadata}
         offset = 0
         for spec in self.shards[index]:
-            header[spec.name] = {"dtype": _DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
+            header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
                                  "data_offsets": [offset, offset + spec.nbytes]}
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        self._fd = os.open(self.folder / self.file_names[index], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.files[index], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         write_all(self._fd, memoryview(len(raw).to_bytes(8, "little") + raw))
         self._open_shard = index
 
-    def _next(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _next(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
         """Check the next planned tensor against (name, shape, dtype) and open its shard."""
+        if self._position == len(self._queue):
+            raise RuntimeError(f"tensor {name} is one more than the {len(self._queue)} planned")
         shard, spec = self._queue[self._position]
         if (name, shape, dtype) != (spec.name, spec.shape, spec.dtype):
             raise RuntimeError(f"tensor {name} {shape} {dtype} does not match the "
@@ -126,34 +133,56 @@ class ShardWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor; its name, shape and dtype must match the plan."""
-        self._next(name, tuple(tensor.shape), tensor.dtype)
+        import torch
+
+        from uptrain.convert.source import DTYPE_NAMES
+
+        self._next(name, tuple(tensor.shape), DTYPE_NAMES[tensor.dtype])
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         write_all(self._fd, memoryview(data))
         self._position += 1
 
-    def copy(self, spec: TensorSpec, src_fd: int, offset: int) -> None:
+    def copy(self, spec: StoredTensor, src_fd: int, offset: int) -> None:
         """Append the next planned tensor as `spec.nbytes` raw bytes of `src_fd` from `offset`."""
         self._next(spec.name, spec.shape, spec.dtype)
         copy_range(src_fd, self._fd, offset, spec.nbytes)
         self._position += 1
 
     def release(self) -> None:
-        """Close the open shard file, if any, without finishing (after an error)."""
+        """Close the open shard file, if any (after the last tensor, or after an error)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
     def close(self) -> None:
-        """Finish the last shard and write `model.safetensors.index.json`."""
+        """Finish the last shard; an error if any planned tensor is missing."""
+        self.release()  # made durable by `atomic_output_dir`, which syncs every file it holds
         if self._position != len(self._queue):
             raise RuntimeError(f"wrote {self._position} of {len(self._queue)} planned tensors")
-        if self._fd is not None:  # made durable by `atomic_output_dir`, which syncs every file it holds
-            os.close(self._fd)
-            self._fd = None
-        weight_map = {spec.name: self.file_names[i] for i, spec in self._queue}
-        total = sum(spec.nbytes for _, spec in self._queue)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (self.folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    def discard(self) -> None:
+        """Close and delete whatever this writer wrote."""
+        self.release()
+        for file in self.files:
+            file.unlink(missing_ok=True)
+
+
+def finish_shards(folder: Path, writers: list[ShardWriter]) -> dict[str, str]:
+    """Rename the closed writers' files, in order, to `model-0000i-of-0000N.safetensors` (one file:
+    `model.safetensors`) and write `model.safetensors.index.json`; returns its weight map."""
+    files = [file for w in writers for file in w.files]
+    names = ([f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+             if len(files) > 1 else ["model.safetensors"])
+    final = dict(zip(files, names))
+    weight_map: dict[str, str] = {}
+    for w in writers:
+        for shard, file in zip(w.shards, w.files):
+            file.rename(folder / final[file])
+            weight_map.update({spec.name: final[file] for spec in shard})
+    total = sum(spec.nbytes for w in writers for shard in w.shards for spec in shard)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map
 
 
 def check_output_path(out: Path, source: Path, force: bool) -> None:

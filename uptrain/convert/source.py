@@ -20,9 +20,9 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
+from uptrain.convert.passthrough import SAFE_INDEX, StoredTensor, read_header
 from uptrain.errors import UsageError
 
-SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".pkl")
 
@@ -31,6 +31,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 # What a Hub download fetches: everything a converted folder needs except weights of the other format.
 _HUB_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "LICENSE*", "*.md"]
@@ -51,6 +52,10 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def stored(self) -> StoredTensor:
+        """The same tensor as a safetensors header names it (what `shards.ShardWriter` plans with)."""
+        return StoredTensor(self.name, self.shape, DTYPE_NAMES[self.dtype])
 
 
 @dataclass(frozen=True)
@@ -249,10 +254,8 @@ def _data_offsets(file: Path) -> dict[str, int]:
     The file is `u64 header length | JSON header | data`; `data_offsets` count from the data start.
     Called after `safe_open` has validated the header (offsets within the file, no overlaps).
     """
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    header, start = read_header(file)
+    return {k: start + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _safetensors_infos(name_to_file: dict[str, Path] | None, files: list[Path]) -> list[TensorInfo]:
