@@ -153,6 +153,7 @@ def main() -> None:
         (src / "bench-source.json").write_text(stamp)
     specs = [s for s in (json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])]
     total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    largest = max(t.nbytes for t in stored_tensors(src))
     for i in range(args.warmup):
         print(f"warm-up {i + 1}: convert {run_convert(src, out, args.kv_heads, False, args.evict)['wall_s']:.1f} s, "
               f"copy {run_copy(src, copy, args.evict):.1f} s", flush=True)
@@ -178,7 +179,7 @@ def main() -> None:
         "paired_ratios": [round(c["wall_s"] / w, 2) for c, w in zip(converts, copies)],
         "median_paired_ratio": round(statistics.median(c["wall_s"] / w for c, w in zip(converts, copies)), 2),
         "convert_peak_rss_bytes": max(c["peak_rss"] for c in converts),
-        "largest_tensor_bytes": max(t.nbytes for t in stored_tensors(src)),
+        "largest_tensor_bytes": largest,
         "convert_phases_s": [c["timing_s"] for c in converts],
         "convert_streams": converts[-1]["streams"],
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import sys
 import threading
 from pathlib import Path
@@ -59,8 +60,6 @@ def _copy_while_planning(args: argparse.Namespace) -> list[StoredRange] | None:
     if (args.dry_run or args.method == "fit" or args.grouping != "contiguous" or args.dtype or args.calib
             or not folder.is_dir() or not (folder / "config.json").is_file()):
         return None
-    import json
-
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -81,8 +80,6 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
     """Copy `kept` into the output while a worker imports torch and transformers, plans, prints
     the plan and builds the rest; returns the plan."""
     check_output_path(args.out, Path(args.checkpoint).expanduser(), args.force)
-    printed = threading.Lock()
-
     with atomic_output_dir(args.out) as tmp:
         writer = ShardWriter(tmp, kept, max_shard, stem="kept")
 
@@ -91,10 +88,8 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
                 from uptrain.convert import pipeline
                 from uptrain.convert.plan import format_plan
 
-            def on_planned(plan: Any) -> None:
-                with printed:
-                    print(format_plan(plan), flush=True)
-            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel, on_planned, **_prepare_args(args))
+            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel,
+                                           lambda plan: print(format_plan(plan), flush=True), **_prepare_args(args))
 
         planned = copy_beside(kept, writer, phases, job)
         from uptrain.convert import pipeline
