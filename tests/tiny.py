@@ -65,3 +65,14 @@ def logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
 
 def read_config(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "config.json").read_text())
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder, from all its safetensors files (one or many shards)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    assert out, f"no safetensors weights in {folder}"
+    return out

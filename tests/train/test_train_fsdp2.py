@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from tiny import weights
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, GQA4, need_models, read_metrics, tiny_overrides, train_losses
 from test_train_multiproc import launch_two_processes
@@ -70,9 +70,9 @@ def test_fsdp2_export_is_a_normal_model_folder(runs):
     # run's (whose final validation the sharded model also matched), and from_pretrained gives
     # the same logits.
     single, sharded, _, _ = runs
-    w_one, w_two = load_file(single / "model" / "model.safetensors"), load_file(sharded / "model" / "model.safetensors")
+    w_one, w_two = weights(single / "model"), weights(sharded / "model")
     assert w_one.keys() == w_two.keys()
-    start = load_file(GQA4 / "model.safetensors")
+    start = weights(GQA4)
     assert max((w_one[k] - start[k]).abs().max().item() for k in w_one if k in start) > 1e-3
     for name in w_one:
         torch.testing.assert_close(w_two[name], w_one[name], atol=1e-5, rtol=1e-4, msg=name)

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tiny import weights
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, GQA4, REPO, need_models, read_metrics, tiny_overrides, train_losses
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
@@ -105,10 +105,10 @@ def test_two_processes_normalise_gradients_like_one(sgd_runs):
     for step in norm_one:
         assert norm_two[step] == pytest.approx(norm_one[step], rel=1e-4), step
     # Same final weights: without synchronised gradients rank 0 would have learnt from half the data.
-    w_one = load_file(single / "model" / "model.safetensors")
-    w_two = load_file(double / "model" / "model.safetensors")
+    w_one = weights(single / "model")
+    w_two = weights(double / "model")
     assert w_one.keys() == w_two.keys()
-    start = load_file(GQA4 / "model.safetensors")
+    start = weights(GQA4)
     moved = max((w_one[name] - start[name]).abs().max().item() for name in w_one if name in start)
     assert moved > 1e-3  # SGD moved the weights far more than the tolerance below
     for name in w_one:

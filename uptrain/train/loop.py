@@ -45,8 +45,8 @@ from uptrain.train.setup import (
 )
 from uptrain.train.teacher_samples import ensure_teacher_samples
 from uptrain.errors import UsageError
-from uptrain.train.trainable import (apply_trainable, set_trainable, stage_steps, stages_line, trainable_at,
-                                     trainable_line)
+from uptrain.train.trainable import (apply_trainable, param_numel, set_trainable, stage_steps, stages_line,
+                                     trainable_at, trainable_line)
 from uptrain.train.validate import validate_blocks
 
 
@@ -153,8 +153,8 @@ def setup_run(config: TrainConfig) -> Run:
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-    n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-    n_trained = sum(p.numel() for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
+    n_params = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters())
+    n_trained = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
     accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
     if samples_line:
         accelerator.print(samples_line)

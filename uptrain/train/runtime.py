@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from uptrain.errors import UsageError
 from uptrain.train.config import TrainConfig
@@ -28,16 +28,29 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
             import wandb  # noqa: F401
         except ImportError:
             raise UsageError("log.log_with asks for wandb but it is not installed; pip install wandb") from None
+    cpu, handlers = not torch.cuda.is_available(), []
+    if cpu and _deepspeed_launch(os.environ):
+        # cpu=True would make accelerate drop DeepSpeed (MULTI_CPU + DDP). With cpu=False and no
+        # CUDA, accelerate finds no backend and counts 1 process while DeepSpeed sees the world:
+        # name gloo, so DeepSpeed's init_distributed joins one gloo group and accelerate counts it.
+        cpu, handlers = False, [InitProcessGroupKwargs(backend="gloo")]
     accelerator = Accelerator(
         # Without cpu=True on a machine without CUDA, `accelerate launch --multi_gpu` ranks would
         # not join one process group: each would silently train alone.
-        cpu=not torch.cuda.is_available(),
+        cpu=cpu,
         mixed_precision=config.mixed_precision,
         log_with=config.log.log_with or None,
         project_dir=str(run_dir),
+        kwargs_handlers=handlers or None,
     )
     check_launch_honoured(os.environ, accelerator.distributed_type)
     return accelerator
+
+
+def _deepspeed_launch(env) -> bool:
+    """A process started by `accelerate launch --use_deepspeed` (a rank: LOCAL_RANK set)."""
+    return (str(env.get("ACCELERATE_USE_DEEPSPEED", "false")).lower() in ("true", "1")
+            and int(env.get("LOCAL_RANK", -1)) != -1)
 
 
 def check_launch_honoured(env, kind: DistributedType) -> None:

@@ -204,9 +204,12 @@ def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimi
     weights; AdamW's update is (nearly) scale-invariant and hides it.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    # Under DeepSpeed ZeRO-3 (zero.Init) a parameter is a partitioned, empty 1-d tensor here; its
+    # shape is ds_shape. By p.dim() every matrix would land in the group without weight decay.
+    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if id(p) in matrix], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
     ]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)

@@ -53,14 +53,19 @@ def is_trainable(name: str, value: str) -> bool:
     return pattern is None or bool(pattern.search(name))
 
 
+def param_numel(param: torch.nn.Parameter) -> int:
+    """Elements of `param`; under DeepSpeed ZeRO-3 (partitioned, local numel 0) its full ds_numel."""
+    return getattr(param, "ds_numel", param.numel())
+
+
 def apply_trainable(model: torch.nn.Module, value: str, *others: str) -> tuple[int, int]:
     """Freeze what neither `value` nor any of `others` trains; return (trainable, total) parameter counts."""
     trained = total = 0
     for name, param in model.named_parameters():
         keep = any(is_trainable(name, v) for v in (value, *others))
         param.requires_grad_(keep)
-        total += param.numel()
-        trained += param.numel() if keep else 0
+        total += param_numel(param)
+        trained += param_numel(param) if keep else 0
     if trained == 0:
         raise UsageError(f"trainable={value} matches no parameter of this model; use trainable=all")
     return trained, total
