@@ -14,9 +14,9 @@ from transformers import LlamaConfig
 from tiny import random_model, save
 from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert import __main__ as cli
-from uptrain.convert.passthrough import kept_by_pooling, stored_tensors
+from uptrain.convert.passthrough import DTYPE_BYTES, kept_by_pooling, stored_tensors
 from uptrain.convert.pipeline import kept_ranges, prepare
-from uptrain.convert.source import DTYPE_NAMES, open_checkpoint
+from uptrain.convert.source import DTYPE_NAMES, SAFETENSORS_DTYPES, open_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,10 @@ def test_header_listing_matches_the_full_reader(sharded):
     assert len(list(sharded.glob("*.safetensors"))) > 2
     assert {(t.name, t.shape, t.dtype, t.file, t.offset) for t in listed} == \
            {(i.name, i.shape, DTYPE_NAMES[i.dtype], i.file, i.offset) for i in infos}
+
+
+def test_dtype_sizes_agree_with_torch():
+    assert {name: dtype.itemsize for name, dtype in SAFETENSORS_DTYPES.items()} == DTYPE_BYTES
 
 
 def test_unreadable_headers_give_no_listing(tmp_path, sharded):
