@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from uptrain.convert.architectures import FAMILIES  # plain data, no torch
+
 T = TypeVar("T")
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -110,8 +112,6 @@ def kept_by_pooling(folder: Path, config: dict[str, Any]) -> list[StoredRange] |
     GPTBigCode), is not in the registry, or the weights are not readable safetensors. The plan
     made with transformers has the last word: `pipeline` checks every tensor named here against it.
     """
-    from uptrain.convert.architectures import FAMILIES  # the registry is plain data
-
     families = [f for f in FAMILIES if config.get("model_type") in f.model_types]
     if len(families) != 1 or families[0].when or families[0].refuse:
         return None

@@ -167,9 +167,9 @@ class ShardWriter:
             file.unlink(missing_ok=True)
 
 
-def finish_shards(folder: Path, writers: list[ShardWriter]) -> dict[str, str]:
+def finish_shards(folder: Path, writers: list[ShardWriter]) -> None:
     """Rename the closed writers' files, in order, to `model-0000i-of-0000N.safetensors` (one file:
-    `model.safetensors`) and write `model.safetensors.index.json`; returns its weight map."""
+    `model.safetensors`) and write `model.safetensors.index.json`."""
     files = [file for w in writers for file in w.files]
     names = ([f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
              if len(files) > 1 else ["model.safetensors"])
@@ -182,7 +182,6 @@ def finish_shards(folder: Path, writers: list[ShardWriter]) -> dict[str, str]:
     total = sum(spec.nbytes for w in writers for shard in w.shards for spec in shard)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return weight_map
 
 
 def check_output_path(out: Path, source: Path, force: bool) -> None:

@@ -22,7 +22,7 @@ from uptrain.errors import UsageError
 from uptrain.train.packing import (StreamSchedule, load_blocks, load_split_blocks, load_stream_blocks,
                                    schedule_blocks)
 from uptrain.train.config import OptimConfig, TrainConfig
-from uptrain.train.trainable import check_trainable_model
+from uptrain.train.trainable import check_trainable_model, param_shape
 
 
 def _model_config(path: str, role: str):
@@ -204,9 +204,9 @@ def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimi
     weights; AdamW's update is (nearly) scale-invariant and hides it.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    # Under DeepSpeed ZeRO-3 (zero.Init) a parameter is a partitioned, empty 1-d tensor here; its
-    # shape is ds_shape. By p.dim() every matrix would land in the group without weight decay.
-    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}
+    # Under DeepSpeed ZeRO-3 (zero.Init) a parameter is a partitioned, empty 1-d tensor here: by
+    # p.dim() every matrix would land in the group without weight decay.
+    matrix = {id(p) for p in params if len(param_shape(p)) >= 2}
     groups = [
         {"params": [p for p in params if id(p) in matrix], "weight_decay": o.weight_decay},
         {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},

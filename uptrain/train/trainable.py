@@ -53,9 +53,15 @@ def is_trainable(name: str, value: str) -> bool:
     return pattern is None or bool(pattern.search(name))
 
 
+def param_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The full shape of `param`: under DeepSpeed ZeRO-3 (zero.Init) a rank holds an empty 1-d
+    partition and the real shape is its ds_shape."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 def param_numel(param: torch.nn.Parameter) -> int:
-    """Elements of `param`; under DeepSpeed ZeRO-3 (partitioned, local numel 0) its full ds_numel."""
-    return getattr(param, "ds_numel", param.numel())
+    """Elements of `param`, counted in full under ZeRO-3 too (see `param_shape`)."""
+    return param_shape(param).numel()
 
 
 def apply_trainable(model: torch.nn.Module, value: str, *others: str) -> tuple[int, int]:
