@@ -4,9 +4,9 @@ Runs the ORIGINAL model over N tokens of real text and records, for every layer,
 E[x̃ x̃ᵀ] of the attention input x (what q/k/v projections see, after the input norm), augmented
 with a constant 1 so that biases are fitted too: x̃ = [x; 1].
 
-This loads the whole model in memory (in float32, on `--device`); streaming it layer by layer is
-not implemented. Text: a .txt file is read one document per non-empty line; .jsonl takes each
-line's "text" field.
+The model runs one decoder layer at a time (`layer_stream.LayerStream`, on `--device`), as far as
+the conversion has asked: memory is one layer in float32 plus the activations. A model that cannot
+be split so (the record says why) is loaded whole instead. Text: see `read_calibration_texts`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from uptrain.convert.layer_stream import (PROJECTIONS, LayerState, LayerStream, StreamUnsupported, activation_dtype,
+                                          available_memory)
+from uptrain.convert.source import open_checkpoint, read_config
 from uptrain.errors import UsageError
 
 WINDOW = 2048  # longest forward pass (tokens); documents longer than the model's context are cut in pieces
@@ -50,15 +53,73 @@ def read_calibration_texts(path: Path) -> list[str]:
     return texts
 
 
+def calibration_sequences(texts: list[str], tokenizer: Any, tokens: int, window: int
+                          ) -> tuple[list[list[int]], int, int]:
+    """The forward passes of a calibration: token-id sequences, tokens used, documents used.
+
+    Each document is tokenized alone and cut to the tokens still wanted, then into windows of at
+    most `window` tokens; documents are taken in order until `tokens` are used.
+    """
+    sequences: list[list[int]] = []
+    used = docs = 0
+    for text in texts:
+        ids = tokenizer(text)["input_ids"][: tokens - used]
+        sequences += [ids[begin:begin + window] for begin in range(0, len(ids), window)]
+        used += len(ids)
+        docs += 1
+        if used >= tokens:
+            break
+    return sequences, used, docs
+
+
+@torch.no_grad()
+def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> dict[str, torch.Tensor]:
+    """E[x̃ x̃ᵀ] per attention prefix from hooks on q_proj/qkv_proj of a whole loaded model.
+
+    The fallback where a model cannot be streamed layer by layer. Returns {prefix: [D+1, D+1] float64}.
+    """
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(prefix: str):
+        def pre(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
+            sums[prefix] = sums.get(prefix, 0) + (x.T @ x).cpu()
+            counts[prefix] = counts.get(prefix, 0) + len(x)
+        return pre
+    handles = [module.register_forward_pre_hook(hook(name[: -len(leaf)]))
+               for name, module in model.named_modules()
+               for leaf in PROJECTIONS if name.endswith("." + leaf)]
+    if not handles:
+        raise UsageError("calibration found no q_proj/qkv_proj modules in the model")
+    try:
+        for seq in sequences:
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: s / counts[k] for k, s in sums.items()}
+
+
 @dataclass
 class Calibration:
-    """Attention-input moments of a model, computed once, on first use."""
+    """Attention-input moments of a model, computed layer by layer as they are asked for.
+
+    activation_limit: bytes the float32 activations (tokens x hidden x 4) may take before they are
+    kept in bfloat16; None: half the memory available when the calibration starts.
+    keep_attention_inputs: record each layer's attention inputs and kwargs (`state`).
+    """
 
     path: Path
     tokens: int
     device: str = "cpu"
     record: dict[str, Any] = field(default_factory=dict)  # what the conversion record says about it
-    _moments: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    activation_limit: int | None = None
+    keep_attention_inputs: bool = False
+    _moments: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _stream: LayerStream | None = field(default=None, repr=False)
+    _started: bool = field(default=False, repr=False)
     _model_dir: Path | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -74,55 +135,80 @@ class Calibration:
         self._model_dir = model_dir
         return self
 
+    def _limit(self) -> int:
+        if self.activation_limit is None:
+            self.activation_limit = available_memory() // 2
+        return self.activation_limit
+
+    def describe(self, source_params: int) -> tuple[str, int]:
+        """The plan's note on this calibration and the bytes it holds at most (estimated from config.json)."""
+        raw = read_config(self._model_dir)
+        text = raw.get("text_config") or raw
+        hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+        embeddings = int(text.get("vocab_size", 0)) * hidden * (1 if raw.get("tie_word_embeddings", True) else 2)
+        layer_bytes = max(source_params - embeddings, 0) // max(layers, 1) * 4
+        dtype = activation_dtype(self.tokens, hidden, self._limit())
+        act_bytes = self.tokens * hidden * dtype.itemsize
+        sigma_bytes = (hidden + 1) ** 2 * 8
+        mib = 2 ** 20
+        note = (f"calibration streams the model one decoder layer at a time on {self.device} over "
+                f"{self.tokens:,} tokens of {self.path}: memory about one layer ({layer_bytes / mib:.1f} MiB "
+                f"float32) + activations ({act_bytes / mib:.1f} MiB {str(dtype).removeprefix('torch.')}"
+                f"{', float32 would exceed the limit' if dtype != torch.float32 else ''}) + "
+                f"{sigma_bytes / mib:.1f} MiB of moments per layer not yet converted")
+        return note, layer_bytes + act_bytes + layers * sigma_bytes
+
     def sigma(self, layer: str) -> torch.Tensor:
-        """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.')."""
-        if self._moments is None:
-            self._moments = self._run()
+        """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.').
+
+        Runs the stream up to that layer (the moments of layers passed over are kept).
+        """
+        if not self._started:
+            self._start()
+        while layer not in self._moments and self._stream is not None and self._stream.position < len(
+                self._stream.layers):
+            start = time.perf_counter()
+            state = self._stream.advance()
+            self._moments[state.prefix] = state.sigma
+            self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
+            self.record["layers_run"] = self._stream.position
         try:
             return self._moments[layer]
         except KeyError:
             raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model") from None
 
+    def state(self, layer: str) -> LayerState | None:
+        """The stream's state of `layer` if it is the layer run last (after `sigma(layer)`), else None."""
+        current = self._stream.current if self._stream is not None else None
+        return current if current is not None and current.prefix == layer else None
+
     @torch.no_grad()
-    def _run(self) -> dict[str, torch.Tensor]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def _start(self) -> None:
+        """Tokenize, then open the layer stream (or, where it cannot stream, run the whole model)."""
+        from transformers import AutoConfig, AutoTokenizer
 
         start = time.perf_counter()
         try:
             torch.empty(0, device=self.device)
         except (RuntimeError, AssertionError) as err:
             raise UsageError(f"--device {self.device!r} is not usable here: {str(err).splitlines()[0]}") from None
-        model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=torch.float32).to(self.device).eval()
+        self._started = True
         tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
-        sums: dict[str, torch.Tensor] = {}
-        counts: dict[str, int] = {}
-
-        def hook(prefix: str):
-            def pre(_module, args):
-                x = args[0].reshape(-1, args[0].shape[-1]).double()
-                x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
-                sums[prefix] = sums.get(prefix, 0) + (x.T @ x).cpu()
-                counts[prefix] = counts.get(prefix, 0) + len(x)
-            return pre
-        handles = [module.register_forward_pre_hook(hook(name[: -len(leaf)]))
-                   for name, module in model.named_modules()
-                   for leaf in ("q_proj", "qkv_proj") if name.endswith("." + leaf)]
-        if not handles:
-            raise UsageError("calibration found no q_proj/qkv_proj modules in the model")
-        window = min(WINDOW, getattr(model.config.get_text_config(), "max_position_embeddings", None) or WINDOW)
-        used = docs = 0
+        config = AutoConfig.from_pretrained(self._model_dir)
+        window = min(WINDOW, getattr(config.get_text_config(), "max_position_embeddings", None) or WINDOW)
+        sequences, used, docs = calibration_sequences(read_calibration_texts(self.path), tokenizer, self.tokens, window)
+        self.record.update(tokens_used=used, documents=docs)
         try:
-            for text in read_calibration_texts(self.path):
-                ids = tokenizer(text)["input_ids"][: self.tokens - used]
-                for begin in range(0, len(ids), window):
-                    model(input_ids=torch.tensor([ids[begin:begin + window]], device=self.device), use_cache=False)
-                used += len(ids)
-                docs += 1
-                if used >= self.tokens:
-                    break
-        finally:
-            for h in handles:
-                h.remove()
-        del model
-        self.record.update(tokens_used=used, documents=docs, seconds=round(time.perf_counter() - start, 2))
-        return {k: s / counts[k] for k, s in sums.items()}
+            self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,
+                                       activation_limit=self._limit(),
+                                       keep_attention_inputs=self.keep_attention_inputs)
+            self.record.update(mode="layer by layer",
+                               activations=str(self._stream.activation_dtype).removeprefix("torch."))
+        except StreamUnsupported as why:
+            from transformers import AutoModelForCausalLM
+
+            self.record.update(mode="whole model", why_not_streamed=str(why))
+            model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=torch.float32).to(self.device).eval()
+            self._moments = whole_model_moments(model, sequences, self.device)
+            del model
+        self.record["seconds"] = round(time.perf_counter() - start, 2)

@@ -270,7 +270,5 @@ def describe_layerwise(plan, settings: Layerwise | None, calibration, source_par
         plan.head_order = settings.permutations  # the same dict: filled as layers are converted
     if calibration is not None:
         plan.calibration = calibration.record  # the same dict: tokens used and seconds appear once it ran
-        plan.calibration["memory_bytes"] = source_params * 4
-        plan.notes.append(f"calibration loads the whole model in memory ({source_params * 4 / 2**20:.1f} MiB "
-                          f"float32) on {calibration.device} and runs {calibration.tokens:,} tokens of "
-                          f"{calibration.path}; it is not streamed layer by layer")
+        note, plan.calibration["memory_bytes"] = calibration.describe(source_params)
+        plan.notes.append(note)
