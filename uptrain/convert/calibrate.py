@@ -118,6 +118,7 @@ class Calibration:
     activation_limit: int | None = None
     keep_attention_inputs: bool = False
     _moments: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _handed_out: set[str] = field(default_factory=set, repr=False)
     _stream: LayerStream | None = field(default=None, repr=False)
     _started: bool = field(default=False, repr=False)
     _model_dir: Path | None = field(default=None, repr=False)
@@ -130,6 +131,7 @@ class Calibration:
         self.record.update(file=str(self.path), tokens_requested=self.tokens, device=self.device)
 
     def bind(self, model_dir: Path) -> "Calibration":
+        model_dir = Path(model_dir)
         if self._model_dir is not None and self._model_dir != model_dir:
             raise ValueError("a Calibration belongs to one model")
         self._model_dir = model_dir
@@ -155,13 +157,14 @@ class Calibration:
                 f"{self.tokens:,} tokens of {self.path}: memory about one layer ({layer_bytes / mib:.1f} MiB "
                 f"float32) + activations ({act_bytes / mib:.1f} MiB {str(dtype).removeprefix('torch.')}"
                 f"{', float32 would exceed the limit' if dtype != torch.float32 else ''}) + "
-                f"{sigma_bytes / mib:.1f} MiB of moments per layer not yet converted")
+                f"{sigma_bytes / mib:.1f} MiB of moments per layer run but not yet converted")
         return note, layer_bytes + act_bytes + layers * sigma_bytes
 
     def sigma(self, layer: str) -> torch.Tensor:
         """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.').
 
-        Runs the stream up to that layer (the moments of layers passed over are kept).
+        Runs the stream up to that layer; the moments of layers passed over are kept until asked
+        for, and each layer's are handed out once (then forgotten: at width 8192 one is 512 MiB).
         """
         if not self._started:
             self._start()
@@ -172,10 +175,15 @@ class Calibration:
             self._moments[state.prefix] = state.sigma
             self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
             self.record["layers_run"] = self._stream.position
+        if layer in self._handed_out:
+            raise ValueError(f"the moments of {layer} were handed out already; a Calibration keeps only "
+                             f"those not yet asked for")
         try:
-            return self._moments[layer]
+            sigma = self._moments.pop(layer)  # the conversion asks once per layer: held no longer
         except KeyError:
             raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model") from None
+        self._handed_out.add(layer)
+        return sigma
 
     def state(self, layer: str) -> LayerState | None:
         """The stream's state of `layer` if it is the layer run last (after `sigma(layer)`), else None."""
