@@ -1,0 +1,90 @@
+"""`--calib` measures the right thing: the attention input's moments, and they steer the fit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import EXAMPLE_MHA8, TRAIN_TXT
+from tiny import random_model, save
+from uptrain.convert import convert
+from uptrain.convert.calibrate import Calibration, read_calibration_texts
+
+
+def documents(folder: Path, tokens: int) -> list[torch.Tensor]:
+    """The calibration's token sequences, tokenized here: documents in order, the last one cut."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out, used = [], 0
+    for text in read_calibration_texts(TRAIN_TXT):
+        ids = tokenizer(text)["input_ids"][: tokens - used]
+        out.append(torch.tensor([ids]))
+        used += len(ids)
+        if used >= tokens:
+            return out
+    raise AssertionError("the calibration text is shorter than asked")
+
+
+@torch.no_grad()
+def test_moments_are_those_of_the_normed_layer_inputs(one_torch_thread):
+    """Σ of layer i = mean of [x; 1][x; 1]ᵀ, x = input_layernorm(hidden state entering layer i),
+    computed here from transformers' own output_hidden_states: not o_proj's input, the constant last."""
+    tokens = 1200
+    model = AutoModelForCausalLM.from_pretrained(EXAMPLE_MHA8, dtype=torch.float32).eval()
+    seqs = documents(EXAMPLE_MHA8, tokens)
+    assert all(s.shape[1] <= model.config.max_position_embeddings for s in seqs) and len(seqs) > 2
+    hidden = [model(ids, output_hidden_states=True).hidden_states for ids in seqs]
+    calibration = Calibration(TRAIN_TXT, tokens).bind(EXAMPLE_MHA8)
+    for i, layer in enumerate(model.model.layers):
+        x = torch.cat([layer.input_layernorm(h[i])[0] for h in hidden]).double()
+        x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+        torch.testing.assert_close(calibration.sigma(f"model.layers.{i}.self_attn."), x.T @ x / tokens,
+                                   rtol=1e-6, atol=1e-8)
+    assert calibration.record["tokens_used"] == tokens
+
+
+def planted_model(folder: Path, rank: int = 6) -> Path:
+    """A 1-layer MHA Llama (8 heads) whose token embeddings span only `rank` of its 64 dimensions,
+    so its attention inputs have a planted low-rank covariance that Σ = I knows nothing about."""
+    cfg = AutoConfig.for_model("llama", hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_heads=8,
+                               num_hidden_layers=1, intermediate_size=32, vocab_size=512,
+                               max_position_embeddings=512, tie_word_embeddings=False)
+    model = random_model(cfg, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    basis, _ = torch.linalg.qr(torch.randn(64, rank, generator=gen))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.randn(512, rank, generator=gen) @ basis.T)
+        model.model.layers[0].input_layernorm.weight.fill_(1.0)
+    save(model, folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(EXAMPLE_MHA8 / f, folder / f)
+    return folder
+
+
+@torch.no_grad()
+def attention_error(original: Path, converted: Path, seqs: list[torch.Tensor]) -> float:
+    """Mean squared difference of the attention outputs (layer 0) of two models on `seqs`."""
+    outs = []
+    for folder in (original, converted):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        got = []
+        hook = model.model.layers[0].self_attn.register_forward_hook(lambda _m, _a, out: got.append(out[0]))
+        for ids in seqs:
+            model(ids)
+        hook.remove()
+        outs.append(torch.cat([g[0] for g in got]))
+    return (outs[0] - outs[1]).pow(2).mean().item() / outs[0].pow(2).mean().item()
+
+
+def test_calibration_steers_the_fit_to_the_planted_inputs(tmp_path, one_torch_thread):
+    """With the planted covariance, `fit` calibrated on the text keeps the attention output on that
+    text far better than `fit` with Σ = I (8 -> 2 K/V heads)."""
+    src = planted_model(tmp_path / "src")
+    convert(str(src), tmp_path / "fit", 2, "fit")
+    convert(str(src), tmp_path / "calib", 2, "fit", calibration=Calibration(TRAIN_TXT, 2000))
+    seqs = documents(src, 2000)
+    plain, calibrated = attention_error(src, tmp_path / "fit", seqs), attention_error(src, tmp_path / "calib", seqs)
+    print(f"relative attention-output error: fit {plain:.4f}, fit + calib {calibrated:.4f}")
+    assert calibrated < plain / 4, (plain, calibrated)

@@ -1,0 +1,215 @@
+"""`--calib` layer by layer: the same moments as the whole model, one layer in memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, real_config
+from tiny import random_model, save, scaled_config
+from uptrain.convert.calibrate import Calibration
+
+SMALL = dict(hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=3,
+             intermediate_size=32, vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)
+# family -> (config builder): biases, partial rotary, key norms, scaled embeddings, fused qkv, sliding windows
+FAMILIES = {
+    "llama": lambda: AutoConfig.for_model("llama", **SMALL),
+    "qwen2": lambda: scaled_config(json.loads(real_config("qwen2.5-7b").read_text()), layers=3, vocab=512),
+    "mistral": lambda: scaled_config(json.loads(real_config("mistral-7b-v0.1").read_text()), layers=3, vocab=512,
+                                     sliding_window=4),
+    "phi": lambda: scaled_config(json.loads(real_config("phi-2").read_text()), layers=3, vocab=512, head_dim=10),
+    "olmo2": lambda: scaled_config(json.loads(real_config("olmo-2-0425-1b").read_text()), layers=3, vocab=512),
+    "stablelm": lambda: AutoConfig.for_model("stablelm", **SMALL, partial_rotary_factor=0.5, qk_layernorm=True,
+                                             use_qkv_bias=True),
+    "qwen3": lambda: AutoConfig.for_model("qwen3", **SMALL),
+    "gemma": lambda: AutoConfig.for_model("gemma", **{**SMALL, "hidden_size": 48}),
+    "gemma3_text": lambda: AutoConfig.for_model("gemma3_text", **{**SMALL, "hidden_size": 48, "sliding_window": 4,
+                                                                  "layer_types": ["sliding_attention",
+                                                                                  "full_attention",
+                                                                                  "sliding_attention"]}),
+    "phi3": lambda: AutoConfig.for_model("phi3", **SMALL),
+}
+
+
+def with_tokenizer(folder: Path) -> Path:
+    """stories260K's tokenizer (512 tokens) beside a tiny model, so Calibration can tokenize text."""
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(EXAMPLE_MHA8 / f, folder / f)
+    return folder
+
+
+@torch.no_grad()
+def reference_moments(folder: Path, text: Path, tokens: int) -> dict[str, torch.Tensor]:
+    """The calibration as it was before streaming, written out here: the whole float32 model, one
+    forward per document window, hooks on q_proj/qkv_proj summing [x; 1][x; 1]ᵀ in float64."""
+    from uptrain.convert.calibrate import WINDOW, read_calibration_texts
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sums, counts = {}, {}
+
+    def hook(prefix):
+        def pre(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+            sums[prefix] = sums.get(prefix, 0) + x.T @ x
+            counts[prefix] = counts.get(prefix, 0) + len(x)
+        return pre
+    for name, module in model.named_modules():
+        for leaf in ("q_proj", "qkv_proj"):
+            if name.endswith("." + leaf):
+                module.register_forward_pre_hook(hook(name[: -len(leaf)]))
+    window = min(WINDOW, model.config.max_position_embeddings)
+    used = 0
+    for doc in read_calibration_texts(text):
+        ids = tokenizer(doc)["input_ids"][: tokens - used]
+        for begin in range(0, len(ids), window):
+            model(input_ids=torch.tensor([ids[begin:begin + window]]), use_cache=False)
+        used += len(ids)
+        if used >= tokens:
+            break
+    return {k: s / counts[k] for k, s in sums.items()}
+
+
+def assert_same_moments(folder: Path, tokens: int, **calib) -> Calibration:
+    expected = reference_moments(folder, TRAIN_TXT, tokens)
+    calibration = Calibration(TRAIN_TXT, tokens, **calib).bind(folder)
+    # asked last layer first: the stream runs every layer once and keeps the moments passed over
+    for prefix in sorted(expected, key=lambda p: -int(p.split(".")[2])):
+        torch.testing.assert_close(calibration.sigma(prefix), expected[prefix], rtol=1e-6, atol=1e-6)
+    assert calibration.record["mode"] == "layer by layer", calibration.record
+    return calibration
+
+
+def test_stories260k_moments_equal_the_whole_model(one_torch_thread):
+    calibration = assert_same_moments(EXAMPLE_MHA8, 1500)
+    assert calibration.record["tokens_used"] == 1500 and calibration.record["layers_run"] == 5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_moments_equal_the_whole_model(family, tmp_path, one_torch_thread):
+    """Every family the converter supports, streamed, gives the whole model's moments: biases,
+    partial rotary, key norms, Gemma's embedding scale, sliding-window layers, fused qkv_proj."""
+    folder = with_tokenizer(save(random_model(FAMILIES[family]()), tmp_path / family))
+    assert_same_moments(folder, 300)
+
+
+def test_sharded_bf16_checkpoint_and_small_activation_limit(tmp_path, one_torch_thread):
+    """Shards are read a layer at a time; over the activation limit the activations are kept in
+    bfloat16 (the record says so), which changes the moments only at bfloat16 precision."""
+    folder = with_tokenizer(save(random_model(FAMILIES["llama"](), dtype=torch.bfloat16), tmp_path / "m",
+                                 max_shard_size="100KB"))
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    expected = reference_moments(folder, TRAIN_TXT, 300)
+    exact = Calibration(TRAIN_TXT, 300, activation_limit=300 * 64 * 4).bind(folder)
+    narrow = Calibration(TRAIN_TXT, 300, activation_limit=300 * 64 * 4 - 1).bind(folder)
+    for prefix, sigma in expected.items():
+        torch.testing.assert_close(exact.sigma(prefix), sigma, rtol=1e-6, atol=1e-6)
+        narrow_sigma = narrow.sigma(prefix)
+        torch.testing.assert_close(narrow_sigma, sigma, rtol=0.05, atol=0.05)
+        if prefix == "model.layers.2.self_attn.":
+            assert not torch.equal(narrow_sigma, sigma)
+    assert exact.record["activations"] == "float32" and narrow.record["activations"] == "bfloat16"
+
+
+def test_layer_state_holds_the_attention_inputs(tmp_path, one_torch_thread):
+    """For refinement: after sigma(layer), the layer's attention module and its inputs per
+    sequence are there, and calling the attention on them reproduces the moments' inputs."""
+    folder = EXAMPLE_MHA8
+    calibration = Calibration(TRAIN_TXT, 600, keep_attention_inputs=True).bind(folder)
+    sigma = calibration.sigma("model.layers.1.self_attn.")
+    state = calibration.state("model.layers.1.self_attn.")
+    assert state is not None and state.index == 1 and calibration.state("model.layers.0.self_attn.") is None
+    x = torch.cat(state.attention_inputs).double()
+    x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    torch.testing.assert_close(x.T @ x / len(x), sigma, rtol=1e-9, atol=1e-9)
+    with torch.no_grad():
+        out, _ = state.attention(state.attention_inputs[0][None], **state.attention_kwargs[0])
+    assert out.shape == (1, *state.attention_inputs[0].shape) and torch.isfinite(out).all()
+    calibration.sigma("model.layers.2.self_attn.")
+    assert state.layer.self_attn.q_proj.weight.is_meta and not state.attention_inputs  # layer 1 freed
+
+
+# ------------------------------------------------------------------ memory: one layer, not the model
+
+LAYERS, WIDTH, FFN, TOKENS = 48, 512, 1024, 256
+RSS_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+    import transformers.models.llama.modeling_llama, tokenizers
+    from transformers import AutoTokenizer, AutoConfig, AutoModelForCausalLM
+    from uptrain.convert.calibrate import Calibration
+
+    def status(key):  # kB -> bytes; VmHWM, not ru_maxrss, which Linux carries over from the forking parent
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+    before = status("VmRSS")
+    c = Calibration(sys.argv[2], int(sys.argv[3])).bind(sys.argv[1])
+    for prefix in sorted("model.layers.%d.self_attn." % i for i in range(int(sys.argv[4]))):
+        c.sigma(prefix)  # in the order the conversion asks: tensor names sort layers.10 before layers.2
+    print(before, status("VmHWM"), c.record.get("layers_run", 0))
+""")
+
+
+def write_deep_model(folder: Path) -> int:
+    """A 48-layer Llama of width 512 as bf16 safetensors shards (one per 8 layers), written a layer
+    at a time without building the model; returns its float32 size in bytes."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    cfg = AutoConfig.for_model("llama", hidden_size=WIDTH, num_attention_heads=8, num_key_value_heads=8,
+                               num_hidden_layers=LAYERS, intermediate_size=FFN, vocab_size=512,
+                               max_position_embeddings=512, tie_word_embeddings=True)
+    cfg.save_pretrained(folder)
+    with_tokenizer(folder)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"self_attn.q_proj.weight": (WIDTH, WIDTH), "self_attn.k_proj.weight": (WIDTH, WIDTH),
+              "self_attn.v_proj.weight": (WIDTH, WIDTH), "self_attn.o_proj.weight": (WIDTH, WIDTH),
+              "mlp.gate_proj.weight": (FFN, WIDTH), "mlp.up_proj.weight": (FFN, WIDTH),
+              "mlp.down_proj.weight": (WIDTH, FFN), "input_layernorm.weight": (WIDTH,),
+              "post_attention_layernorm.weight": (WIDTH,)}
+    weight_map, total = {}, 0
+    for shard in range(LAYERS // 8):
+        tensors = {"model.embed_tokens.weight": torch.randn(512, WIDTH, generator=gen),
+                   "model.norm.weight": torch.ones(WIDTH)} if shard == 0 else {}
+        for i in range(shard * 8, shard * 8 + 8):
+            for name, shape in shapes.items():
+                value = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) / WIDTH ** 0.5
+                tensors[f"model.layers.{i}.{name}"] = value
+        file = f"model-{shard:05d}.safetensors"
+        save_file({k: v.bfloat16() for k, v in tensors.items()}, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+        total += sum(v.numel() * 4 for v in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return total
+
+
+def test_peak_memory_is_one_layer_not_the_model(tmp_path):
+    """Calibrating a 48-layer model (403 MiB float32) in a fresh process: the peak RSS grows by
+    less than one layer + activations + moments + 64 MiB of working margin, a fifth of the model."""
+    folder = tmp_path / "deep"
+    model_bytes = write_deep_model(folder)
+    layer_bytes = (4 * WIDTH * WIDTH + 3 * FFN * WIDTH + 2 * WIDTH) * 4
+    activations = TOKENS * WIDTH * 4
+    moments = 10 * (WIDTH + 1) ** 2 * 8  # asked in name order, at most layers 2..9 wait at once
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+    run = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(folder), str(TRAIN_TXT), str(TOKENS), str(LAYERS)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, peak, layers_run = map(int, run.stdout.split()[-3:])
+    grown = peak - before
+    bound = layer_bytes + activations + moments + 64 * 2**20
+    print(f"model {model_bytes / 2**20:.0f} MiB, layer {layer_bytes / 2**20:.1f} MiB, "
+          f"grown {grown / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB")
+    assert grown < bound, f"peak RSS grew {grown / 2**20:.0f} MiB, over {bound / 2**20:.0f} MiB"
+    assert layers_run == LAYERS
+    assert bound < model_bytes / 4
