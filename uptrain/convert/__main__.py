@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the most alike heads (q/o permuted to match)")
     p.add_argument("--calib", type=Path, metavar="FILE",
                    help="text (.txt one document per line, .jsonl 'text') whose attention-input statistics "
-                        "weight --method fit / --grouping similar; loads the whole model in memory")
+                        "weight --method fit / --grouping similar; runs the model one layer at a time")
     p.add_argument("--calib-tokens", type=int, default=32768, help="tokens of --calib to run (default 32768)")
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
