@@ -249,14 +249,17 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
                 # DDP averages gradients over processes; x world turns that into sum / global count.
                 accelerator.backward(loss * world / global_tokens)
                 sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
-        loss, lm, kd = (accelerator.reduce(sums, reduction="sum") / global_tokens).tolist()
-        if not math.isfinite(loss):
-            # Stop before the update so the weights and the last checkpoint stay good. DeepSpeed
-            # has already stepped inside backward(): the weights are bad, the checkpoint is not.
-            when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
-            raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, last good checkpoint "
-                                   f"kept in {run.run_dir / 'checkpoints'}")
-        grad_norm = clip(model.parameters(), config.optim.grad_clip) if config.optim.grad_clip > 0 else None
+        # The global gradient norm, clipped to optim.grad_clip (inf: computed, nothing clipped).
+        # Under DeepSpeed the step already ran inside backward; its norm is known only with clipping.
+        max_norm = config.optim.grad_clip or math.inf
+        grad_norm = clip(model.parameters(), max_norm) if not deepspeed or config.optim.grad_clip > 0 else None
+        # One host sync per step for loss and norm together (the loss is shown every step anyway).
+        stats = accelerator.reduce(sums, reduction="sum") / global_tokens
+        if isinstance(grad_norm, torch.Tensor):
+            stats = torch.cat([stats, grad_norm.detach().float().reshape(1).to(stats.device)])
+        loss, lm, kd, *norm = stats.tolist()
+        grad_norm = norm[0] if norm else None if grad_norm is None else float(grad_norm)
+        _check_finite(run, step, loss, grad_norm, deepspeed)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -269,7 +272,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
             if run.teacher is not None:
                 record["kd_loss"] = kd
             if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
+                record["grad_norm"] = grad_norm
             run.log(record)
         if config.eval.every and done % config.eval.every == 0 and done != plan.steps:
             run.log({"step": done, **run.validate()})
@@ -280,6 +283,22 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
                             _sharded_io(run, shard.save_sharded))
     bar.close()
     return record
+
+
+def _check_finite(run: Run, step: int, loss: float, grad_norm: float | None, deepspeed: bool) -> None:
+    """Raise TrainingDiverged when the loss or the gradient norm of step `step` (0-based) is NaN/inf.
+
+    Called before optimizer.step(), so the weights and the last checkpoint stay good (a finite
+    loss can still come with NaN/inf gradients, e.g. an overflow in backward). DeepSpeed has
+    already stepped inside backward(): there the weights are bad, the checkpoint is not.
+    """
+    when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
+    kept = f"last good checkpoint kept in {run.run_dir / 'checkpoints'}"
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, {kept}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step + 1} (the loss, {loss:.4f}, is finite); "
+                               f"stopped {when}, {kept}")
 
 
 def _sharded_io(run: Run, io):
