@@ -93,10 +93,11 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
     return texts, n_tokens
 
 
-def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
-                           accelerator: Accelerator) -> tuple[DataSource, str]:
+def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator,
+                           teacher_dir: Path | None = None) -> tuple[DataSource, str]:
     """The run's teacher samples as a file data source (generated now unless already written),
-    and a line for the plan: documents, tokens, generation speed."""
+    and a line for the plan: documents, tokens, generation speed. `teacher_dir`: the folder of
+    distill.teacher (a Hub id resolved to its cache), else distill.teacher itself."""
     ts = config.data.train.teacher_samples
     folder = Path(config.run_dir) / FOLDER
     wanted = _wanted(config)
@@ -106,7 +107,7 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
         if meta is None or meta.get("config") != wanted:
             reused = False
             dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-            teacher = AutoModelForCausalLM.from_pretrained(config.distill.teacher, dtype=dtype).to(accelerator.device)
+            teacher = AutoModelForCausalLM.from_pretrained(teacher_dir or config.distill.teacher, dtype=dtype).to(accelerator.device)
             teacher.eval()
             t0 = time.time()
             texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device)
