@@ -257,7 +257,7 @@ def _safetensors_dtypes(folder) -> set[str]:
             for name, meta in read_header(file)[0].items() if name != "__metadata__"}
 
 
-def test_final_model_is_saved_in_the_source_dtype_and_ready_to_publish(tmp_path):
+def test_final_model_is_saved_in_the_source_dtype(tmp_path, capsys):
     need_models()
     source = tmp_path / "bf16-source"  # the real stories260K stored in bfloat16, like most Hub checkpoints
     AutoModelForCausalLM.from_pretrained(GQA4, dtype=torch.bfloat16).save_pretrained(source)
@@ -271,6 +271,8 @@ def test_final_model_is_saved_in_the_source_dtype_and_ready_to_publish(tmp_path)
                                                                     "eval.at_start": "false", **extra})]) == 0
         model_dir = run_dir / "model"
         assert _safetensors_dtypes(model_dir) == {stored}, save_dtype
+        plan = {None: "final model: saved in bfloat16, the source's dtype", "float32": "final model: saved in float32"}
+        assert plan[save_dtype] in capsys.readouterr().out
         assert AutoConfig.from_pretrained(model_dir).dtype == {"BF16": torch.bfloat16, "F32": torch.float32}[stored]
 
 

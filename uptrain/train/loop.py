@@ -42,7 +42,7 @@ from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_acceler
 from uptrain.train import shard
 from uptrain.train.setup import (
     ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
-    plan_run, resolve_models, save_dtype,
+    final_model_dtype, plan_run, resolve_models,
 )
 from uptrain.train.teacher_samples import ensure_teacher_samples
 from uptrain.errors import UsageError
@@ -52,7 +52,8 @@ from uptrain.train.validate import validate_blocks
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+    """The loss or the gradient norm became NaN or infinite; the run stops before the update and keeps
+    its last good checkpoint."""
 
 
 @dataclass
@@ -127,7 +128,7 @@ def setup_run(config: TrainConfig) -> Run:
         consumed = state["samples"]
     folders = resolve_models(config)
     tokenizer = check_models(config, folders)
-    final_dtype, dtype_line = save_dtype(config, folders)
+    final_dtype, dtype_line = final_model_dtype(config, folders)
     data_config, samples_line = config, None
     if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
         source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator, folders.teacher)

@@ -88,7 +88,7 @@ def check_models(config: TrainConfig, folders: ModelFolders) -> PreTrainedTokeni
     return tokenizer
 
 
-def save_dtype(config: TrainConfig, folders: ModelFolders) -> tuple[torch.dtype, str]:
+def final_model_dtype(config: TrainConfig, folders: ModelFolders) -> tuple[torch.dtype, str]:
     """The dtype of the final model/ and a line for the plan: `save_dtype`, or with "source" the
     dtype the model's floating-point weights are stored in (most bytes; from the safetensors
     headers, no weights read). Training itself keeps float32 master weights either way."""
