@@ -267,7 +267,8 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
             stats = torch.cat([stats, grad_norm.detach().float().reshape(1).to(stats.device)])
         loss, lm, kd, *norm = stats.tolist()
         grad_norm = norm[0] if norm else None if grad_norm is None else float(grad_norm)
-        _check_finite(run, step, loss, grad_norm, deepspeed)
+        # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
+        _check_finite(run, step, loss, None if accelerator.scaler is not None else grad_norm, deepspeed)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -297,7 +298,8 @@ def _check_finite(run: Run, step: int, loss: float, grad_norm: float | None, dee
     """Raise TrainingDiverged when the loss or the gradient norm of step `step` (0-based) is NaN/inf.
 
     Called before optimizer.step(), so the weights and the last checkpoint stay good (a finite
-    loss can still come with NaN/inf gradients, e.g. an overflow in backward). DeepSpeed has
+    loss can still come with NaN/inf gradients, e.g. an overflow in backward; grad_norm None:
+    not checked, e.g. under fp16's loss scaler, which skips such steps). DeepSpeed has
     already stepped inside backward(): there the weights are bad, the checkpoint is not.
     """
     when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
