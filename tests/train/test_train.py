@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -173,3 +174,120 @@ def test_non_finite_loss_stops_the_run_and_names_the_step(tmp_path, capsys):
     saved = complete_checkpoints(run_dir)
     assert saved and int(saved[-1].name.split("-")[-1]) == bad_step - 1  # the last good one
     assert not (run_dir / "model").exists()
+
+
+_BLOCK_TENSORBOARD = '''
+import sys
+from importlib.machinery import PathFinder
+
+class _WithoutTensorBoard(PathFinder):
+    """The path finder, blind to tensorboard: as if it were not installed."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in ("tensorboard", "tensorboardX"):
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+sys.meta_path[:] = [_WithoutTensorBoard if f is PathFinder else f for f in sys.meta_path]
+'''
+
+
+def test_tensorboard_tracker_without_tensorboard_is_refused_in_one_line(tmp_path):
+    # log.log_with defaults to [tensorboard], an optional extra: accelerate alone only warns and
+    # the run logs nothing. A real process in which tensorboard cannot be imported (sitecustomize).
+    need_models()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCK_TENSORBOARD)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    probe = subprocess.run([sys.executable, "-c", "import tensorboard"], env=env, capture_output=True, text=True)
+    assert "No module named 'tensorboard'" in probe.stderr  # the block works
+    args = tiny_overrides(run_dir, steps=1, **{"optim.warmup_steps": 0, "log.log_with": "[tensorboard]"})
+    proc = subprocess.run([sys.executable, "-m", "uptrain.train", str(DEMO), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "tensorboard" in proc.stderr and "pip install" in proc.stderr and "log.log_with" in proc.stderr
+    assert not run_dir.exists()
+
+
+def _poison_gradient(param: torch.nn.Parameter, at_call: int) -> list[int]:
+    """Make `param`'s gradient NaN from its `at_call`-th backward on (a real autograd hook); the
+    loss stays finite. Returns the call counter."""
+    calls = [0]
+
+    def hook(grad):
+        calls[0] += 1
+        return grad * float("nan") if calls[0] >= at_call else grad
+
+    param.register_hook(hook)
+    return calls
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path, grad_clip):
+    from safetensors.torch import load_file
+    from uptrain.train.loop import TrainingDiverged, resume_state, setup_run, train_steps
+
+    need_models()
+    run_dir = tmp_path / "nan-grad"
+    config = load_config(DEMO, tiny_overrides(run_dir, steps=4, **{
+        "optim.warmup_steps": 0, "optim.grad_clip": grad_clip, "checkpoint.every": 1, "checkpoint.keep": 5,
+        "eval.at_start": "false"}))
+    run = setup_run(config)
+    inner = run.accelerator.unwrap_model(run.model)
+    weight = inner.model.layers[0].self_attn.q_proj.weight
+    _poison_gradient(weight, at_call=2 * 2 + 1)  # grad_accum 2: step 3's first micro batch
+    start, batches = resume_state(run)
+    with pytest.raises(TrainingDiverged, match=r"gradient norm is nan at step 3.*before the update"):
+        train_steps(run, start, batches)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000001", "checkpoint-00000002"]
+    saved = load_file(complete_checkpoints(run_dir)[-1] / "model.safetensors")
+    state = inner.state_dict()
+    for name, tensor in saved.items():  # the weights are those of the last good checkpoint: no step applied
+        assert torch.isfinite(state[name]).all() and torch.equal(state[name], tensor), name
+    assert not (run_dir / "model").exists()
+
+
+def _safetensors_dtypes(folder) -> set[str]:
+    from uptrain.convert.passthrough import read_header
+
+    return {meta["dtype"] for file in folder.glob("*.safetensors")
+            for name, meta in read_header(file)[0].items() if name != "__metadata__"}
+
+
+def test_final_model_is_saved_in_the_source_dtype(tmp_path, capsys):
+    need_models()
+    source = tmp_path / "bf16-source"  # the real stories260K stored in bfloat16, like most Hub checkpoints
+    AutoModelForCausalLM.from_pretrained(GQA4, dtype=torch.bfloat16).save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "LICENSE"):
+        shutil.copyfile(GQA4 / name, source / name)
+    assert _safetensors_dtypes(source) == {"BF16"}
+    for save_dtype, stored in ((None, "BF16"), ("float32", "F32")):
+        run_dir = tmp_path / f"run-{save_dtype}"
+        extra = {} if save_dtype is None else {"save_dtype": save_dtype}
+        assert main([str(DEMO), *tiny_overrides(run_dir, steps=1, **{"optim.warmup_steps": 0, "model": source,
+                                                                    "eval.at_start": "false", **extra})]) == 0
+        model_dir = run_dir / "model"
+        assert _safetensors_dtypes(model_dir) == {stored}, save_dtype
+        plan = {None: "final model: saved in bfloat16, the source's dtype", "float32": "final model: saved in float32"}
+        assert plan[save_dtype] in capsys.readouterr().out
+        assert AutoConfig.from_pretrained(model_dir).dtype == {"BF16": torch.bfloat16, "F32": torch.float32}[stored]
+
+
+def test_final_model_folder_is_ready_to_publish(tmp_path):
+    # Publishable as is: files readable by others (the umask honoured, not 0600), the source's
+    # tokenizer files byte for byte (no loader flags of this machine such as "is_local" added).
+    need_models()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    run_dir = tmp_path / "run"
+    assert main([str(DEMO), *tiny_overrides(run_dir, steps=1, **{"optim.warmup_steps": 0,
+                                                                "eval.at_start": "false"})]) == 0
+    model_dir = run_dir / "model"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (model_dir / name).read_bytes() == (GQA4 / name).read_bytes(), name
+    for file in model_dir.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, (file.name, oct(file.stat().st_mode))
+    assert oct(model_dir.stat().st_mode & 0o777) == oct(0o777 & ~umask)

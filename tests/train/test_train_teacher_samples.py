@@ -133,3 +133,37 @@ def test_generation_is_seeded_and_starts_from_the_prompts(tmp_path):
     assert sample(0) == (texts, n)  # seeded: the same documents again
     assert sample(1)[0] != texts
     assert sample(0, None)[0] != texts  # from BOS: no prompt
+
+
+def test_a_sample_is_split_into_documents_at_bos():
+    # llama2.c models such as stories260K separate documents by BOS and never emit EOS: one
+    # sampled row of 400 tokens holds the end of one story and the start of the next. Each must
+    # become its own document (the packer joins documents with EOS), not one text spanning both.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from uptrain.train.sources import TeacherSamples
+    from uptrain.train.teacher_samples import generate_documents
+
+    model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
+    for seed in range(2):
+        ts = TeacherSamples(tokens=1, max_new_tokens=400, batch=1, seed=seed)  # tokens=1: exactly one row
+        texts, n = generate_documents(model, tok, ts, torch.device("cpu"))
+        assert n == 400 and len(texts) >= 2, (seed, texts)
+        for text in texts[1:]:  # the documents after a BOS start a story
+            assert text.startswith(("Once", "One day")), (seed, text[:60])
+
+
+def test_split_at_bos_keeps_every_token_and_starts_each_document_at_bos():
+    import random
+    from uptrain.train.teacher_samples import split_at_bos
+
+    rng = random.Random(0)
+    bos = 1
+    cases = [[], [bos], [bos, bos], [5, 6], [bos, 5, bos, 6, 7, bos]]
+    cases += [[rng.choice([bos, 2, 3, 4, 5]) for _ in range(rng.randrange(0, 40))] for _ in range(300)]
+    for tokens in cases:
+        docs = split_at_bos(tokens, bos)
+        assert [t for d in docs for t in d] == tokens  # nothing lost, order kept
+        assert all(d for d in docs) and all(bos not in d[1:] for d in docs)  # no BOS inside a document
+        assert all(d[0] == bos for d in docs[1:])  # every document after the first starts at a BOS
+        assert len(docs) == tokens[1:].count(bos) + (1 if tokens else 0)

@@ -86,7 +86,7 @@ class DistillConfig:
     loss = alpha_kd * T^2 * KL(teacher_T || student_T) + (1 - alpha_kd) * LM loss, per target token.
     """
 
-    teacher: str | None = None  # path of the teacher; None disables distillation
+    teacher: str | None = None  # folder or Hub id (org/name) of the teacher; None disables distillation
     alpha_kd: float = 0.5
     temperature: float = 1.0
 
@@ -131,9 +131,11 @@ class TrainableStage:
 class TrainConfig:
     """One uptraining run of a Hugging Face causal LM."""
 
-    model: str = ""  # folder of the (converted) model to train
+    model: str = ""  # folder or Hub id (org/name; offline: from the huggingface_hub cache) of the model to train
     run_dir: str = "runs/run"  # checkpoints, metrics, final model
-    tokenizer: str | None = None  # defaults to `model`
+    tokenizer: str | None = None  # folder or Hub id; defaults to `model`
+    save_dtype: str = "source"  # dtype of the final model/: source (the model's stored dtype), float32, bfloat16,
+    # float16 (training keeps float32 master weights whatever this is)
     expect_kv_heads: int | None = None  # fail unless the model has this num_key_value_heads
     resume: str | None = None  # "latest" or a checkpoint folder
     overwrite: bool = False  # allow replacing another run's state in run_dir
@@ -160,7 +162,9 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise UsageError on values that cannot work (paths are checked by the trainer)."""
         checks = [
-            (bool(self.model), "model: give the folder of the model to train"),
+            (bool(self.model), "model: give the folder or Hub id of the model to train"),
+            (self.save_dtype in ("source", "float32", "bfloat16", "float16"),
+             f"save_dtype must be source, float32, bfloat16 or float16, got {self.save_dtype!r}"),
             (self.mixed_precision in (None, "no", "bf16", "fp16"),
              "mixed_precision must be no, bf16 or fp16 (or null: take the launcher's)"),
             (self.resume in (None, "latest") or Path(self.resume).is_dir(),

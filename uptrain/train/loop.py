@@ -41,7 +41,8 @@ from uptrain.train.run_state import (
 from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
 from uptrain.train import shard
 from uptrain.train.setup import (
-    RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer, plan_run,
+    ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
+    final_model_dtype, plan_run, resolve_models,
 )
 from uptrain.train.teacher_samples import ensure_teacher_samples
 from uptrain.errors import UsageError
@@ -51,7 +52,8 @@ from uptrain.train.validate import validate_blocks
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
+    """The loss or the gradient norm became NaN or infinite; the run stops before the update and keeps
+    its last good checkpoint."""
 
 
 @dataclass
@@ -70,6 +72,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     loader: DataLoader
     metrics: MetricsLog
+    folders: ModelFolders  # local folders of model, tokenizer, teacher (a Hub id resolved to its cache)
+    save_dtype: torch.dtype  # of the final model/
     trainable_ranges: list = dataclasses.field(default_factory=list)  # (first, end step, trainable) per stage
 
     def log(self, record: dict) -> None:
@@ -122,10 +126,12 @@ def setup_run(config: TrainConfig) -> Run:
         # A streaming source cannot skip batches in the loader: the stream itself starts after
         # the blocks the interrupted run consumed (the checkpoint's data position).
         consumed = state["samples"]
-    tokenizer = check_models(config)
+    folders = resolve_models(config)
+    tokenizer = check_models(config, folders)
+    final_dtype, dtype_line = final_model_dtype(config, folders)
     data_config, samples_line = config, None
     if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
-        source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator)
+        source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator, folders.teacher)
         data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
     set_seed(config.seed)
     train_blocks, val_blocks, n_available = build_data(data_config, tokenizer, plan, accelerator, consumed)
@@ -138,7 +144,7 @@ def setup_run(config: TrainConfig) -> Run:
         (run_dir / RUN_FILE).write_text(yaml.safe_dump(config_dict, sort_keys=False))
 
     # --- model, optional teacher, optimizer, loader ---
-    model, teacher = _load_models(config, accelerator)
+    model, teacher = _load_models(config, folders, accelerator)
     if config.shard == "fsdp2":  # sharded by the trainer, before the optimizer sees the parameters
         model = shard.shard_model(model, accelerator)
     optimizer = make_optimizer(model, config.optim)
@@ -158,17 +164,19 @@ def setup_run(config: TrainConfig) -> Run:
     accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
     if samples_line:
         accelerator.print(samples_line)
+    accelerator.print(dtype_line)
     accelerator.print(trainable_line(config.trainable, n_trained, n_params))
     if ranges:
         accelerator.print(stages_line(ranges))
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
-               model, teacher, optimizer, loader, metrics, ranges)
+               model, teacher, optimizer, loader, metrics, folders, final_dtype, ranges)
 
 
-def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def _load_models(config: TrainConfig, folders: ModelFolders,
+                 accelerator: Accelerator) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The model to train (fp32 master weights) and the frozen teacher, if distilling."""
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folders.model, dtype=torch.float32)
     # frozen parameters: requires_grad False, not in the optimizer
     apply_trainable(model, config.trainable, *(s.trainable for s in config.trainable_stages))
     model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
@@ -180,9 +188,9 @@ def _load_models(config: TrainConfig, accelerator: Accelerator) -> tuple[torch.n
     if config.compile:
         model = torch.compile(model)
     teacher = None
-    if config.distill.teacher:
+    if folders.teacher is not None:
         teacher_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-        teacher = AutoModelForCausalLM.from_pretrained(config.distill.teacher, dtype=teacher_dtype).to(accelerator.device)
+        teacher = AutoModelForCausalLM.from_pretrained(folders.teacher, dtype=teacher_dtype).to(accelerator.device)
         teacher.requires_grad_(False).eval()  # frozen: only a source of target distributions
     return model, teacher
 
@@ -249,14 +257,18 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
                 # DDP averages gradients over processes; x world turns that into sum / global count.
                 accelerator.backward(loss * world / global_tokens)
                 sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
-        loss, lm, kd = (accelerator.reduce(sums, reduction="sum") / global_tokens).tolist()
-        if not math.isfinite(loss):
-            # Stop before the update so the weights and the last checkpoint stay good. DeepSpeed
-            # has already stepped inside backward(): the weights are bad, the checkpoint is not.
-            when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
-            raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, last good checkpoint "
-                                   f"kept in {run.run_dir / 'checkpoints'}")
-        grad_norm = clip(model.parameters(), config.optim.grad_clip) if config.optim.grad_clip > 0 else None
+        # The global gradient norm, clipped to optim.grad_clip (inf: computed, nothing clipped).
+        # Under DeepSpeed the step already ran inside backward; its norm is known only with clipping.
+        max_norm = config.optim.grad_clip or math.inf
+        grad_norm = clip(model.parameters(), max_norm) if not deepspeed or config.optim.grad_clip > 0 else None
+        # One host sync per step for loss and norm together (the loss is shown every step anyway).
+        stats = accelerator.reduce(sums, reduction="sum") / global_tokens
+        if isinstance(grad_norm, torch.Tensor):
+            stats = torch.cat([stats, grad_norm.detach().float().reshape(1).to(stats.device)])
+        loss, lm, kd, *norm = stats.tolist()
+        grad_norm = norm[0] if norm else None if grad_norm is None else float(grad_norm)
+        # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
+        _check_finite(run, step, loss, None if accelerator.scaler is not None else grad_norm, deepspeed)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -269,7 +281,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
             if run.teacher is not None:
                 record["kd_loss"] = kd
             if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
+                record["grad_norm"] = grad_norm
             run.log(record)
         if config.eval.every and done % config.eval.every == 0 and done != plan.steps:
             run.log({"step": done, **run.validate()})
@@ -280,6 +292,23 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
                             _sharded_io(run, shard.save_sharded))
     bar.close()
     return record
+
+
+def _check_finite(run: Run, step: int, loss: float, grad_norm: float | None, deepspeed: bool) -> None:
+    """Raise TrainingDiverged when the loss or the gradient norm of step `step` (0-based) is NaN/inf.
+
+    Called before optimizer.step(), so the weights and the last checkpoint stay good (a finite
+    loss can still come with NaN/inf gradients, e.g. an overflow in backward; grad_norm None:
+    not checked, e.g. under fp16's loss scaler, which skips such steps). DeepSpeed has
+    already stepped inside backward(): there the weights are bad, the checkpoint is not.
+    """
+    when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
+    kept = f"last good checkpoint kept in {run.run_dir / 'checkpoints'}"
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, {kept}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step + 1} (the loss, {loss:.4f}, is finite); "
+                               f"stopped {when}, {kept}")
 
 
 def _sharded_io(run: Run, io):
@@ -329,7 +358,8 @@ def finish_run(run: Run, last_record: dict) -> dict:
         "val loss before / after": f"{start_val if start_val is None else round(start_val, 4)} / {final_eval['val_loss']:.4f}",
         "val perplexity after": round(final_eval["val_ppl"], 3), "mixed precision": accelerator.mixed_precision,
     }
-    save_final_model(accelerator, run.model, run.tokenizer, run.run_dir / "model", Path(config.model), card)
+    save_final_model(accelerator, run.model, run.run_dir / "model", run.folders.model, card, dtype=run.save_dtype,
+                     tokenizer_dir=run.folders.tokenizer, source_name=config.model)
     if accelerator.is_main_process:
         plot_losses(history, run.run_dir / "loss.png")
         mark_finished(run.run_dir, {"steps": plan.steps, "tokens": plan.steps * plan.tokens_per_step,

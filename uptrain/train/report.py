@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
+
+from uptrain.convert.shards import atomic_output_dir
+from uptrain.convert.source import auxiliary_files
 
 
 class MetricsLog:
@@ -68,39 +73,65 @@ def model_card_section(record: dict) -> str:
     return f"\n\n## Uptraining record (uptrain)\n\n| | |\n|---|---|\n{rows}\n"
 
 
-# Licence and notice files travel with the weights (their terms usually require it).
-_LICENCE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE", "COPYING", "USE_POLICY")
+# Tokenizer files: the ones a separate `tokenizer` folder contributes to the final folder.
+_TOKENIZER_NAMES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                    "chat_template.jinja", "chat_template.json")
 
 
-def files_to_carry(source_dir: Path) -> list[Path]:
-    """Files of the trained-from folder that the final model folder keeps: licences, notices,
-    and uptrain's own records (e.g. the converter's uptrain_conversion.json)."""
-    if not source_dir.is_dir():
-        return []
-    return sorted(p for p in source_dir.iterdir() if p.is_file() and (
-        p.name.upper().startswith(_LICENCE_PREFIXES) or (p.name.startswith("uptrain_") and p.suffix == ".json")))
+def _is_tokenizer_file(path: Path) -> bool:
+    return path.name.startswith("tokenizer") or path.name in _TOKENIZER_NAMES or path.suffix in (".model", ".tiktoken")
 
 
-def save_final_model(
-    accelerator: Accelerator, model, tokenizer, out_dir: Path, source_dir: Path, record: dict
-) -> None:
-    """Save a from_pretrained-loadable folder (safetensors, config, tokenizer, README.md).
+def files_to_carry(source_dir: Path, tokenizer_dir: Path | None = None) -> list[Path]:
+    """Files of the trained-from folder that the final model folder keeps byte for byte, as the
+    converter keeps them (`auxiliary_files`): tokenizer files, generation config, licences and
+    notices, uptrain's own records (e.g. uptrain_conversion.json). With a separate tokenizer
+    folder, its tokenizer files replace the source's."""
+    carried = auxiliary_files(source_dir) if source_dir.is_dir() else []
+    if tokenizer_dir is not None and tokenizer_dir.resolve() != source_dir.resolve():
+        carried = [p for p in carried if not _is_tokenizer_file(p)]
+        carried += [p for p in auxiliary_files(tokenizer_dir) if _is_tokenizer_file(p)]
+    return sorted(carried, key=lambda p: p.name)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_final_model(accelerator: Accelerator, model, out_dir: Path, source_dir: Path, record: dict, *,
+                     dtype: torch.dtype = torch.float32, tokenizer_dir: Path | None = None,
+                     source_name: str | None = None) -> None:
+    """Save a from_pretrained-loadable folder (safetensors in `dtype`, config, tokenizer, README.md).
 
     Call on every process: `get_state_dict` gathers sharded weights (FSDP / ZeRO-3).
-    The model card of `source_dir` is kept and extended with the training record; its licence
-    files and uptrain records are copied along.
+    Written as the converter writes its output: all or nothing (`atomic_output_dir`), files
+    readable as the umask allows (transformers writes model.safetensors 0600), the source's
+    tokenizer files, generation config, licences and uptrain records copied byte for byte (not
+    re-saved: tokenizer.save_pretrained adds loader flags of this machine such as "is_local").
+    The model card of `source_dir` is kept and extended with the training record.
     """
     from uptrain.train.shard import full_state_dict, is_sharded
 
     state_dict = full_state_dict(model) if is_sharded(model) else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        accelerator.unwrap_model(model).save_pretrained(out_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(out_dir)
-        source_card = source_dir / "README.md"
-        card = source_card.read_text() if source_card.is_file() else f"# {source_dir.name}, uptrained\n\nContinued pre-training of `{source_dir}` with uptrain."
-        (out_dir / "README.md").write_text(card.rstrip() + model_card_section(record))
-        for carried in files_to_carry(source_dir):
-            shutil.copy2(carried, out_dir / carried.name)
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        unwrapped = accelerator.unwrap_model(model)
+        with atomic_output_dir(out_dir) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict)
+            # save_pretrained records the dtype of the (float32) master weights: record the saved one.
+            trained_dtype, unwrapped.config.dtype = unwrapped.config.dtype, str(dtype).removeprefix("torch.")
+            unwrapped.config.save_pretrained(tmp)
+            unwrapped.config.dtype = trained_dtype
+            for carried in files_to_carry(source_dir, tokenizer_dir):
+                shutil.copyfile(carried, tmp / carried.name)
+            name = source_name or source_dir.name
+            source_card = source_dir / "README.md"
+            card = (source_card.read_text() if source_card.is_file()
+                    else f"# {name}, uptrained\n\nContinued pre-training of `{name}` with uptrain.")
+            (tmp / "README.md").write_text(card.rstrip() + model_card_section(record))
+            mode = 0o666 & ~_umask()
+            for file in tmp.iterdir():
+                file.chmod(mode)
     accelerator.wait_for_everyone()

@@ -23,11 +23,7 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     takes the launcher's (`accelerate launch --mixed_precision` / the accelerate config file, passed
     as ACCELERATE_MIXED_PRECISION), else "no".
     """
-    if "wandb" in config.log.log_with:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise UsageError("log.log_with asks for wandb but it is not installed; pip install wandb") from None
+    check_trackers(config.log.log_with)
     cpu, handlers = not torch.cuda.is_available(), []
     if cpu and _deepspeed_launch(os.environ):
         # cpu=True would make accelerate drop DeepSpeed (MULTI_CPU + DDP). With cpu=False and no
@@ -45,6 +41,29 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     )
     check_launch_honoured(os.environ, accelerator.distributed_type)
     return accelerator
+
+
+def check_trackers(log_with: list[str]) -> None:
+    """Refuse (UsageError) a tracker in `log.log_with` whose package cannot be imported.
+
+    accelerate only warns and drops such a tracker, so the run would log nothing to it.
+    tensorboard is imported as accelerate's TensorBoard tracker imports it (torch.utils.tensorboard,
+    else tensorboardX).
+    """
+    if "tensorboard" in log_with:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            try:
+                import tensorboardX  # noqa: F401
+            except ImportError:
+                raise UsageError("log.log_with asks for tensorboard but it is not installed; pip install tensorboard "
+                                 "(or uptrain[tensorboard]), or set log.log_with=[] to log to metrics.jsonl only") from None
+    if "wandb" in log_with:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("log.log_with asks for wandb but it is not installed; pip install wandb") from None
 
 
 def _deepspeed_launch(env) -> bool:

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from uptrain.convert.hfconfig import model_shape
+from uptrain.convert.source import open_checkpoint, resolve_source
 from uptrain.errors import UsageError
 from uptrain.train.packing import (StreamSchedule, load_blocks, load_split_blocks, load_stream_blocks,
                                    schedule_blocks)
@@ -25,24 +26,43 @@ from uptrain.train.config import OptimConfig, TrainConfig
 from uptrain.train.trainable import check_trainable_model, param_shape
 
 
-def _model_config(path: str, role: str):
+@dataclass
+class ModelFolders:
+    """Local folders of the model to train, its tokenizer and the teacher (None: no distillation)."""
+
+    model: Path
+    tokenizer: Path
+    teacher: Path | None
+
+
+def resolve_models(config: TrainConfig) -> ModelFolders:
+    """The folders behind `model`, `tokenizer` and `distill.teacher`: a local folder as given, a Hub
+    id (org/name) through huggingface_hub as the converter resolves it (offline: from the local
+    cache; not cached: one-line UsageError)."""
+    model = resolve_source(config.model)
+    tokenizer = model if config.tokenizer in (None, config.model) else resolve_source(config.tokenizer)
+    teacher = resolve_source(config.distill.teacher) if config.distill.teacher else None
+    return ModelFolders(model, tokenizer, teacher)
+
+
+def _model_config(path: Path, name: str, role: str):
     """The Hugging Face config of the model folder `path` (UsageError when it is not one)."""
-    if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"{role} path {path} is not a model folder (no config.json); check the path")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{role} {name} is not a model folder (no config.json at {path}); check the path or Hub id")
     return AutoConfig.from_pretrained(path)
 
 
-def _tokenizer(path: str) -> PreTrainedTokenizerBase:
+def _tokenizer(path: Path, name: str) -> PreTrainedTokenizerBase:
     """The tokenizer saved in folder `path` (UsageError when there is none that loads)."""
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as err:
-        raise UsageError(f"cannot load a tokenizer from {path}: {str(err).splitlines()[0]}") from err
+        raise UsageError(f"cannot load a tokenizer from {name}: {str(err).splitlines()[0]}") from err
 
 
-def check_models(config: TrainConfig) -> PreTrainedTokenizerBase:
-    """Check student, teacher and tokenizers; return the student's tokenizer."""
-    student = _model_config(config.model, "model")
+def check_models(config: TrainConfig, folders: ModelFolders) -> PreTrainedTokenizerBase:
+    """Check student, teacher and tokenizers (in `folders`); return the student's tokenizer."""
+    student = _model_config(folders.model, config.model, "model")
     kv_heads = model_shape(student).kv_heads  # registry field: Falcon num_kv_heads, GPTBigCode multi_query
     if config.expect_kv_heads is not None and kv_heads != config.expect_kv_heads:
         raise UsageError(
@@ -55,10 +75,10 @@ def check_models(config: TrainConfig) -> PreTrainedTokenizerBase:
                          f"{config.model} (max_position_embeddings); use data.seq_len<={positions}")
     for value in {config.trainable, *(s.trainable for s in config.trainable_stages)}:
         check_trainable_model(value, student.model_type, config.model)
-    tokenizer = _tokenizer(config.tokenizer or config.model)
-    if config.distill.teacher:
-        teacher = _model_config(config.distill.teacher, "distill.teacher")
-        teacher_tok = _tokenizer(config.distill.teacher)
+    tokenizer = _tokenizer(folders.tokenizer, config.tokenizer or config.model)
+    if folders.teacher is not None:
+        teacher = _model_config(folders.teacher, config.distill.teacher, "distill.teacher")
+        teacher_tok = _tokenizer(folders.teacher, config.distill.teacher)
         # Distillation compares distributions token by token: ids must mean the same strings.
         if teacher_tok.get_vocab() != tokenizer.get_vocab() or teacher.vocab_size != student.vocab_size:
             raise UsageError(
@@ -66,6 +86,22 @@ def check_models(config: TrainConfig) -> PreTrainedTokenizerBase:
                 f"(vocab {len(teacher_tok)} vs {len(tokenizer)}); distillation needs identical vocabularies"
             )
     return tokenizer
+
+
+def final_model_dtype(config: TrainConfig, folders: ModelFolders) -> tuple[torch.dtype, str]:
+    """The dtype of the final model/ and a line for the plan: `save_dtype`, or with "source" the
+    dtype the model's floating-point weights are stored in (most bytes; from the safetensors
+    headers, no weights read). Training itself keeps float32 master weights either way."""
+    if config.save_dtype != "source":
+        dtype = getattr(torch, config.save_dtype)
+        return dtype, f"final model: saved in {config.save_dtype} (save_dtype)"
+    by_dtype: dict[torch.dtype, int] = {}
+    for info in open_checkpoint(folders.model).tensors:
+        if info.dtype.is_floating_point:
+            by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
+    dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
+    return dtype, (f"final model: saved in {str(dtype).removeprefix('torch.')}, the source's dtype "
+                   "(save_dtype: source; set float32/bfloat16/float16 to choose)")
 
 
 @dataclass

@@ -44,6 +44,17 @@ def _read_meta(folder: Path) -> dict | None:
         return None
 
 
+def split_at_bos(tokens: list[int], bos: int) -> list[list[int]]:
+    """`tokens` cut before every BOS after the first token: one list per document, none empty,
+    their concatenation `tokens` (no documents for no tokens)."""
+    documents: list[list[int]] = []
+    for token in tokens:
+        if token == bos or not documents:
+            documents.append([])
+        documents[-1].append(token)
+    return documents
+
+
 def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
                        device: torch.device) -> tuple[list[str], int]:
     """Sample documents from `model` until `ts.tokens` new tokens; return (texts, new tokens)."""
@@ -72,13 +83,7 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
             n_tokens += len(new)
             # A BOS inside the sample starts a new document (llama2.c models such as stories260K
             # separate documents by BOS and never emit EOS).
-            segments, current = [], []
-            for token in prompt + new:
-                if token == start and current:
-                    segments.append(current)
-                    current = []
-                current.append(token)
-            for segment in [*segments, current]:
+            for segment in split_at_bos(prompt + new, start):
                 text = tokenizer.decode(segment, skip_special_tokens=True).strip()
                 if text:
                     texts.append(text)
@@ -88,10 +93,11 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
     return texts, n_tokens
 
 
-def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase,
-                           accelerator: Accelerator) -> tuple[DataSource, str]:
+def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator,
+                           teacher_dir: Path | None = None) -> tuple[DataSource, str]:
     """The run's teacher samples as a file data source (generated now unless already written),
-    and a line for the plan: documents, tokens, generation speed."""
+    and a line for the plan: documents, tokens, generation speed. `teacher_dir`: the folder of
+    distill.teacher (a Hub id resolved to its cache), else distill.teacher itself."""
     ts = config.data.train.teacher_samples
     folder = Path(config.run_dir) / FOLDER
     wanted = _wanted(config)
@@ -101,7 +107,7 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
         if meta is None or meta.get("config") != wanted:
             reused = False
             dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-            teacher = AutoModelForCausalLM.from_pretrained(config.distill.teacher, dtype=dtype).to(accelerator.device)
+            teacher = AutoModelForCausalLM.from_pretrained(teacher_dir or config.distill.teacher, dtype=dtype).to(accelerator.device)
             teacher.eval()
             t0 = time.time()
             texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device)
