@@ -5,14 +5,14 @@ E[x̃ x̃ᵀ] of the attention input x (what q/k/v projections see, after the in
 with a constant 1 so that biases are fitted too: x̃ = [x; 1].
 
 This loads the whole model in memory (in float32, on `--device`); streaming it layer by layer is
-not implemented. Text: a .txt file is read one document per non-empty line; .jsonl takes each
-line's "text" field.
+not implemented. Text is read by the trainer's and eval's reader (`uptrain.data.read_documents`),
+so a file means the same documents everywhere: a .txt file is cut by `text_unit` (default
+`paragraph`: documents separated by a blank line; `line`; `file`), .jsonl/.json/.parquet give
+each record's "text" field.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,34 +20,23 @@ from typing import Any
 
 import torch
 
+from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
 
 WINDOW = 2048  # longest forward pass (tokens); documents longer than the model's context are cut in pieces
 
 
-def read_calibration_texts(path: Path) -> list[str]:
-    """The documents of a calibration file; UsageError if it is missing or holds no text.
+def read_calibration_texts(path: Path, text_unit: str = DataSource.text_unit) -> list[str]:
+    """The documents of a calibration file, read as the trainer and eval read it (`text_unit` for .txt).
 
-    .txt: documents are separated by a blank line (the trainer's `text_unit: paragraph`);
-    .jsonl: one JSON object with a "text" field per line.
+    UsageError (naming --calib) if it is missing, unreadable or holds no text.
     """
-    if not path.is_file():
-        raise UsageError(f"--calib file {path} does not exist; pass a text file (.txt or .jsonl)")
-    raw = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(raw.splitlines(), 1):
-            if line.strip():
-                try:
-                    texts.append(str(json.loads(line)["text"]))
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UsageError(f"--calib {path}: line {n} is not a JSON object with a 'text' field") from None
-    else:  # documents separated by blank lines, like the trainer's and eval's default text_unit
-        texts = [block.strip() for block in re.split(r"\n\s*\n", raw)]
-    texts = [t for t in texts if t.strip()]
-    if not texts:
-        raise UsageError(f"--calib file {path} is empty; pass a file with text in it")
-    return texts
+    if not path.exists():
+        raise UsageError(f"--calib file {path} does not exist; pass a text file (.txt, .jsonl, .json or .parquet)")
+    try:
+        return read_documents(DataSource(files=[str(path)], text_unit=text_unit))
+    except UsageError as err:
+        raise UsageError(f"--calib: {err}") from None
 
 
 @dataclass
@@ -57,6 +46,7 @@ class Calibration:
     path: Path
     tokens: int
     device: str = "cpu"
+    text_unit: str = DataSource.text_unit  # what one document of a .txt file is (as the trainer's data.*.text_unit)
     record: dict[str, Any] = field(default_factory=dict)  # what the conversion record says about it
     _moments: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     _model_dir: Path | None = field(default=None, repr=False)
@@ -65,8 +55,9 @@ class Calibration:
         if self.tokens <= 0:
             raise UsageError(f"--calib-tokens must be positive, got {self.tokens}")
         self.path = Path(self.path)
-        read_calibration_texts(self.path)  # fail now, before any work
-        self.record.update(file=str(self.path), tokens_requested=self.tokens, device=self.device)
+        read_calibration_texts(self.path, self.text_unit)  # fail now, before any work
+        self.record.update(file=str(self.path), text_unit=self.text_unit, tokens_requested=self.tokens,
+                           device=self.device)
 
     def bind(self, model_dir: Path) -> "Calibration":
         if self._model_dir is not None and self._model_dir != model_dir:
@@ -112,7 +103,7 @@ class Calibration:
         window = min(WINDOW, getattr(model.config.get_text_config(), "max_position_embeddings", None) or WINDOW)
         used = docs = 0
         try:
-            for text in read_calibration_texts(self.path):
+            for text in read_calibration_texts(self.path, self.text_unit):
                 ids = tokenizer(text)["input_ids"][: self.tokens - used]
                 for begin in range(0, len(ids), window):
                     model(input_ids=torch.tensor([ids[begin:begin + window]], device=self.device), use_cache=False)
