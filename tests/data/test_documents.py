@@ -42,3 +42,23 @@ def test_calibration_default_text_unit_is_the_trainers(tmp_path):
     args = build_parser().parse_args(["ckpt", "--kv-heads", "2", "--calib", "x.txt"])
     assert args.calib_text_unit == default
     assert build_parser().parse_args(["ckpt", "--kv-heads", "2", "--calib-text-unit", "line"]).calib_text_unit == "line"
+
+
+def test_data_is_the_bottom_room():
+    """Every room reads data here, so uptrain/data imports none of them (and no CLI module)."""
+    import re
+
+    from conftest import REPO
+
+    imports = re.compile(r"^\s*(?:from|import)\s+uptrain\.(?:convert|train|measure|demo|eval)\b", re.M)
+    for path in (REPO / "uptrain" / "data").glob("*.py"):
+        assert not imports.search(path.read_text()), path.name
+
+
+def test_calibration_reads_through_the_shared_reader_with_its_flag_named(tmp_path):
+    from uptrain.errors import UsageError
+
+    path = tmp_path / "calib.txt"
+    path.write_bytes("Tom ran.\n\nThe café.\n".encode("latin-1"))
+    with pytest.raises(UsageError, match=r"^--calib: data file .*calib.txt is not UTF-8 text"):
+        read_calibration_texts(path)
