@@ -44,3 +44,17 @@ def test_cache_is_keyed_by_the_tokenizer_content_not_its_folder(tmp_path):
 
     blocks_b = token_blocks(documents(DataSource(files=[str(data)])), b, seq_len=32)["input_ids"]
     assert blocks_b == _expected_blocks(b, texts["text"], 32), "the cache gave another tokenizer's blocks"
+
+
+def test_tokenizer_fingerprint_is_the_same_in_another_process():
+    # The cache is only a cache if a second run (another process) computes the same key.
+    import subprocess
+    import sys
+
+    from uptrain.data.blocks import tokenizer_fingerprint
+
+    here = tokenizer_fingerprint(AutoTokenizer.from_pretrained(EXAMPLE_MHA8))
+    code = ("from transformers import AutoTokenizer; from uptrain.data.blocks import tokenizer_fingerprint; "
+            f"print(tokenizer_fingerprint(AutoTokenizer.from_pretrained({str(EXAMPLE_MHA8)!r})))")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == there and len(here) == 64

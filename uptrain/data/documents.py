@@ -143,8 +143,9 @@ def _read_errors(files: list[str], builder: str) -> Iterator[None]:
         cause = err
         while cause.__cause__ or cause.__context__:
             cause = cause.__cause__ or cause.__context__
-        raise UsageError(f"cannot read {_names(files)} ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
-                         f"check that {'it is' if len(files) == 1 else 'they are'} {builder} files") from None
+        what = f"{type(cause).__name__}: {str(cause).splitlines()[0]}" if str(cause) else type(cause).__name__
+        kind = f"it is a {builder} file" if len(files) == 1 else f"they are {builder} files"
+        raise UsageError(f"cannot read {_names(files)} ({what}); check that {kind}") from None
 
 
 def file_problem(path: Path, builder: str) -> str | None:
