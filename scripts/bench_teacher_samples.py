@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from uptrain.train.sources import TeacherSamples
+from uptrain.data import TeacherSamples
 from uptrain.train.teacher_samples import generate_documents
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from uptrain.train.sources import DataSource
+from uptrain.data import DataSource, documents
+from uptrain.data.blocks import token_blocks
 from uptrain.train.losses import lm_loss_sum
-from uptrain.train.packing import load_blocks
 from uptrain.train import train
 from uptrain.train.config import load_config
 from uptrain.train.report import MetricsLog
@@ -54,7 +54,7 @@ def hand_loop(args, model_path: str) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     model.train()
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.mixed_precision == "bf16")
-    blocks = load_blocks(DataSource(files=[args.data]), AutoTokenizer.from_pretrained(model_path), args.seq_len)
+    blocks = token_blocks(documents(DataSource(files=[args.data])), AutoTokenizer.from_pretrained(model_path), args.seq_len)
     blocks = blocks.with_format("torch")[:]["input_ids"].to(device)  # [n_blocks, seq_len]
     optimizer = make_optimizer(model, load_config(DEMO, [f"model={model_path}", f"data.train.files=[{args.data}]"]).optim)
     tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum

@@ -17,8 +17,8 @@ import torch
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.measure.eval import evaluate, load_model, read_texts, tokenize_texts
-from uptrain.train.sources import DataSource
+from uptrain.data import DataSource, read_documents
+from uptrain.measure.eval import evaluate, load_model, tokenize_texts
 from uptrain.units import kv_cache_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not source.is_dir():
         raise UsageError(f"{source} is missing; run the demo from a checkout of the repository")
     # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
-    valid = read_texts(DataSource(files=[str(args.valid)]), args.stories)
+    valid = read_documents(DataSource(files=[str(args.valid)]), args.stories)
     torch.manual_seed(0)
 
     train_text = EXAMPLES / "data" / "tinystories-train-sample.txt"

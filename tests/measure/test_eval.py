@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from uptrain.errors import UsageError
-from uptrain.measure.eval import evaluate, evaluate_paths, main, read_texts, sequence_nll, window_spans
-from uptrain.train.sources import DataSource
+from uptrain.data import DataSource, read_documents
+from uptrain.measure.eval import evaluate, evaluate_paths, main, sequence_nll, window_spans
 
 from conftest import EXAMPLE_MHA8, VALID_TXT as VALID, built_gqa4
 
@@ -74,7 +74,7 @@ def test_one_window_equals_full_context_loss() -> None:
 
 
 def test_mha8_and_gqa4_have_the_same_perplexity() -> None:
-    texts = read_texts(DataSource(files=[str(VALID)]))
+    texts = read_documents(DataSource(files=[str(VALID)]))
     mha, gqa = evaluate_paths([str(EXAMPLE_MHA8), str(built_gqa4())],
                               texts, max_length=512, stride=256)
     assert mha.tokens == gqa.tokens > 10_000

@@ -1,4 +1,4 @@
-"""Tokenization and packing of real text into training blocks (uptrain.packing)."""
+"""Reading real text into training blocks: documents, token blocks, schedule (uptrain.data)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from uptrain.train.sources import DataSource, load_texts
+from uptrain.data import DataSource, documents, split_documents
+from uptrain.data.blocks import require_blocks, token_blocks
+from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.errors import UsageError
-from uptrain.train.packing import StreamSchedule, load_blocks, load_split_blocks, pack_texts, schedule_blocks
 
 from conftest import EXAMPLE_MHA8, TRAIN_TXT as TRAIN, VALID_TXT as VALID
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture: build_data makes an Accelerator)
@@ -24,7 +25,7 @@ def tokenizer():
 
 def test_blocks_are_the_documents_joined_by_eos(tokenizer):
     docs = ["Once upon a time there was a cat.", "The dog ran.", "Lily smiled at the sun and the sky."]
-    blocks = pack_texts(datasets.Dataset.from_dict({"text": docs}), tokenizer, seq_len=8)
+    blocks = token_blocks(datasets.Dataset.from_dict({"text": docs}), tokenizer, seq_len=8)
     stream = []
     for doc in docs:
         stream += tokenizer(doc)["input_ids"] + [tokenizer.eos_token_id]
@@ -36,14 +37,14 @@ def test_blocks_are_the_documents_joined_by_eos(tokenizer):
 
 
 def test_real_file_packs_and_splits(tokenizer):
-    blocks = load_blocks(DataSource(files=[str(VALID)]), tokenizer, seq_len=64)
-    n_tokens = sum(len(tokenizer(t)["input_ids"]) + 1 for t in load_texts(DataSource(files=[str(VALID)]))["text"])
+    docs = documents(DataSource(files=[str(VALID)]))
+    blocks = token_blocks(docs, tokenizer, seq_len=64)
+    n_tokens = sum(len(tokenizer(t)["input_ids"]) + 1 for t in docs["text"])
     assert len(blocks) == n_tokens // 64 or len(blocks) == n_tokens // 64 - 1  # one map batch: <= 1 short
-    train, val = load_split_blocks(DataSource(files=[str(VALID)]), 0.1, 0, tokenizer, seq_len=64)
+    train_docs, val_docs = split_documents(docs, 0.1, 0)
+    train, val = token_blocks(train_docs, tokenizer, seq_len=64), token_blocks(val_docs, tokenizer, seq_len=64)
     assert len(train) + len(val) <= len(blocks) <= len(train) + len(val) + 1  # each part drops its tail
     assert not set(map(tuple, train["input_ids"])) & set(map(tuple, val["input_ids"]))
-    with pytest.raises(UsageError, match="raise data.val_fraction or give data.val"):
-        load_split_blocks(DataSource(files=[str(VALID)]), 0.01, 0, tokenizer, seq_len=4096)  # 1 story < 4096 tokens
 
 
 def test_schedule_is_seeded_and_repeats_only_when_asked():
@@ -62,7 +63,7 @@ def test_source_without_full_block_is_a_usage_error(tokenizer, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Hi.\n")
     with pytest.raises(UsageError, match="no full block"):
-        load_blocks(DataSource(files=[str(short)]), tokenizer, seq_len=512)
+        require_blocks(token_blocks(documents(DataSource(files=[str(short)])), tokenizer, seq_len=512), 512, "short.txt")
 
 
 def test_stream_gives_the_blocks_of_the_whole_file_in_order(tokenizer, tmp_path):
@@ -72,13 +73,14 @@ def test_stream_gives_the_blocks_of_the_whole_file_in_order(tokenizer, tmp_path)
     lines = [line for line in TRAIN.read_text().splitlines() if line.strip()] * 2  # > one map batch
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"story": line}) + "\n" for line in lines))
-    whole = load_blocks(DataSource(files=[str(jsonl)], text_field="story"), tokenizer, seq_len=64)["input_ids"]
+    whole = token_blocks(documents(DataSource(files=[str(jsonl)], text_field="story")), tokenizer, seq_len=64)["input_ids"]
     whole = list(whole)
     assert len(lines) > 1000  # more than one map batch of documents
     source = DataSource(files=[str(jsonl)], text_field="story", streaming=True)
 
     def blocks(n, **kw):
-        return [row["input_ids"].tolist() for row in StreamSchedule(source, tokenizer, 64, n, seed=0, **kw)]
+        stream = token_blocks(documents(source), tokenizer, 64)
+        return [row["input_ids"].tolist() for row in StreamSchedule(stream, n, seed=0, **kw)]
 
     assert blocks(len(whole), repeat_data=False) == whole
     assert blocks(len(whole), repeat_data=False, skip=len(whole) - 5) == whole[-5:]  # resume: the rest
@@ -96,17 +98,17 @@ def test_stream_gives_the_blocks_of_the_whole_file_in_order(tokenizer, tmp_path)
 UNITS_TEXT = "Tom ran.\nHe fell.\n\nSue sang.\n\n\nThe end.\n"
 
 
-@pytest.mark.parametrize("unit, documents", [
+@pytest.mark.parametrize("unit, expected", [
     ("line", ["Tom ran.", "He fell.", "Sue sang.", "The end."]),
     ("paragraph", ["Tom ran.\nHe fell.", "Sue sang.", "The end."]),  # a blank line ends a document
     ("file", ["Tom ran.\nHe fell.\n\nSue sang.\n\n\nThe end."]),
 ])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_text_units_split_a_txt_file_into_documents(tmp_path, unit, documents, streaming):
+def test_text_units_split_a_txt_file_into_documents(tmp_path, unit, expected, streaming):
     path = tmp_path / "doc.txt"
     path.write_text(UNITS_TEXT)
-    texts = load_texts(DataSource(files=[str(path)], text_unit=unit, streaming=streaming))
-    assert [row["text"] for row in texts] == documents
+    texts = documents(DataSource(files=[str(path)], text_unit=unit, streaming=streaming))
+    assert [row["text"] for row in texts] == expected
 
 
 def test_default_text_unit_is_the_paragraph_and_a_bad_one_is_a_usage_error(tmp_path):
@@ -114,13 +116,13 @@ def test_default_text_unit_is_the_paragraph_and_a_bad_one_is_a_usage_error(tmp_p
     path.write_text(UNITS_TEXT)
     assert DataSource(files=[str(path)]).text_unit == "paragraph"
     with pytest.raises(UsageError, match="text_unit 'sentence'.*line, paragraph, file"):
-        load_texts(DataSource(files=[str(path)], text_unit="sentence"))
+        documents(DataSource(files=[str(path)], text_unit="sentence"))
 
 
 def test_shipped_samples_read_as_whole_stories():
     # Each TinyStories story is one document: its paragraphs stay together, nothing else joins it.
-    train = load_texts(DataSource(files=[str(TRAIN)]))["text"]
-    valid = load_texts(DataSource(files=[str(VALID)]))["text"]
+    train = documents(DataSource(files=[str(TRAIN)]))["text"]
+    valid = documents(DataSource(files=[str(VALID)]))["text"]
     assert (len(train), len(valid)) == (246, 19)
     assert train[0].startswith("One day, a little girl named Lily found a needle") and train[0].count("\n") == 2
     assert train[0].endswith("because they had shared and worked together.")
@@ -170,14 +172,29 @@ def test_an_unreachable_hub_dataset_fails_at_once_with_one_line(monkeypatch):
     """No network here: the probe's connection error is the answer, before datasets' retries."""
     import time
 
-    from uptrain.train.sources import check_hub_reachable, load_texts
+    from uptrain.data.source import check_hub_reachable
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
     start = time.monotonic()
     with pytest.raises(UsageError, match="cannot reach the Hugging Face Hub to load dataset 'org/data'"):
-        load_texts(DataSource(dataset="org/data"))
+        documents(DataSource(dataset="org/data"))
     assert time.monotonic() - start < 30  # a bound, not a timing claim: no retry loop
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     check_hub_reachable("org/data")  # offline mode: datasets reads its cache, nothing is asked
+
+
+def test_a_held_out_share_without_a_full_block_is_a_usage_error(tokenizer, tmp_path):
+    from accelerate import Accelerator
+    from train_helpers import DEMO, built_gqa4, tiny_overrides
+    from uptrain.train.config import load_config
+    from uptrain.train.setup import build_data, plan_run
+
+    path = tmp_path / "marked.txt"
+    path.write_text("\n\n".join(_marked_documents(60)) + "\n")  # documents of ~40 tokens
+    config = load_config(DEMO, tiny_overrides(tmp_path / "run", **{
+        "model": built_gqa4(), "data.train.files": f"[{path}]", "data.val": "null", "data.val_fraction": 0.01,
+        "data.repeat_data": "true"}))  # one held-out document < seq_len 64
+    with pytest.raises(UsageError, match=r"held-out 0.01 of .* \(1 documents\) .*raise data.val_fraction or give data.val"):
+        build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))

@@ -114,7 +114,7 @@ def test_teacher_with_another_tokenizer_refused_before_generating(tmp_path, gqa2
 def test_generation_is_seeded_and_starts_from_the_prompts(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from uptrain.train.sources import TeacherSamples
+    from uptrain.data import TeacherSamples
     from uptrain.train.teacher_samples import generate_documents
 
     model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
@@ -141,7 +141,7 @@ def test_a_sample_is_split_into_documents_at_bos():
     # become its own document (the packer joins documents with EOS), not one text spanning both.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from uptrain.train.sources import TeacherSamples
+    from uptrain.data.source import TeacherSamples
     from uptrain.train.teacher_samples import generate_documents
 
     model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)

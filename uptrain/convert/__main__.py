@@ -24,6 +24,7 @@ from uptrain.cli import ArgParser, prog_name
 from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
 from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path
+from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only, like the imports above
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPE_NAMES, parse_size
 
@@ -40,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="contiguous: heads j*g..(j+1)*g-1 share K/V head j (default); similar: equal groups "
                         "of the most alike heads (q/o permuted to match)")
     p.add_argument("--calib", type=Path, metavar="FILE",
-                   help="text (.txt one document per line, .jsonl 'text') whose attention-input statistics "
-                        "weight --method fit / --grouping similar; runs the model one layer at a time")
+                   help="text (.txt cut by --calib-text-unit, .jsonl/.json/.parquet 'text'; read as the trainer "
+                        "and eval read it) whose attention-input statistics weight --method fit / --grouping "
+                        "similar; runs the model one layer at a time")
+    p.add_argument("--calib-text-unit", choices=list(TEXT_UNITS), default=DataSource.text_unit,
+                   help="what one document of a .txt --calib file is: a paragraph (documents separated by a "
+                        "blank line; default, as the trainer's data.*.text_unit), a line or the whole file")
     p.add_argument("--calib-tokens", type=int, default=32768, help="tokens of --calib to run (default 32768)")
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
@@ -142,7 +147,8 @@ def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases)
         from uptrain.convert.calibrate import Calibration
         from uptrain.convert.pipeline import prepare, write_converted
         from uptrain.convert.plan import format_plan
-    calibration = Calibration(args.calib, args.calib_tokens, args.device) if args.calib else None
+    calibration = (Calibration(args.calib, args.calib_tokens, args.device, args.calib_text_unit)
+                   if args.calib else None)
     source, plan, outputs, new_config = prepare(**_prepare_args(args, calibration))
     if not args.dry_run:
         check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed

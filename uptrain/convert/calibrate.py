@@ -6,13 +6,14 @@ with a constant 1 so that biases are fitted too: x̃ = [x; 1].
 
 The model runs one decoder layer at a time (`layer_stream.LayerStream`, on `--device`), as far as
 the conversion has asked: memory is one layer in float32 plus the activations. A model that cannot
-be split so (the record says why) is loaded whole instead. Text: see `read_calibration_texts`.
+be split so (the record says why) is loaded whole instead. Text is read by the trainer's and eval's
+reader (`uptrain.data.read_documents`), so a file means the same documents everywhere: a .txt file
+is cut by `text_unit` (default `paragraph`: documents separated by a blank line; `line`; `file`),
+.jsonl/.json/.parquet give each record's "text" field.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,34 +24,23 @@ import torch
 from uptrain.convert.layer_stream import (PROJECTIONS, LayerState, LayerStream, StreamUnsupported, activation_dtype,
                                           available_memory)
 from uptrain.convert.source import open_checkpoint, read_config
+from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
 
 WINDOW = 2048  # longest forward pass (tokens); documents longer than the model's context are cut in pieces
 
 
-def read_calibration_texts(path: Path) -> list[str]:
-    """The documents of a calibration file; UsageError if it is missing or holds no text.
+def read_calibration_texts(path: Path, text_unit: str = DataSource.text_unit) -> list[str]:
+    """The documents of a calibration file, read as the trainer and eval read it (`text_unit` for .txt).
 
-    .txt: documents are separated by a blank line (the trainer's `text_unit: paragraph`);
-    .jsonl: one JSON object with a "text" field per line.
+    UsageError (naming --calib) if it is missing, unreadable or holds no text.
     """
-    if not path.is_file():
-        raise UsageError(f"--calib file {path} does not exist; pass a text file (.txt or .jsonl)")
-    raw = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(raw.splitlines(), 1):
-            if line.strip():
-                try:
-                    texts.append(str(json.loads(line)["text"]))
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UsageError(f"--calib {path}: line {n} is not a JSON object with a 'text' field") from None
-    else:  # documents separated by blank lines, like the trainer's and eval's default text_unit
-        texts = [block.strip() for block in re.split(r"\n\s*\n", raw)]
-    texts = [t for t in texts if t.strip()]
-    if not texts:
-        raise UsageError(f"--calib file {path} is empty; pass a file with text in it")
-    return texts
+    if not path.exists():
+        raise UsageError(f"--calib file {path} does not exist; pass a text file (.txt, .jsonl, .json or .parquet)")
+    try:
+        return read_documents(DataSource(files=[str(path)], text_unit=text_unit))
+    except UsageError as err:
+        raise UsageError(f"--calib: {err}") from None
 
 
 def calibration_sequences(texts: list[str], tokenizer: Any, tokens: int, window: int
@@ -114,6 +104,7 @@ class Calibration:
     path: Path
     tokens: int
     device: str = "cpu"
+    text_unit: str = DataSource.text_unit  # what one document of a .txt file is (as the trainer's data.*.text_unit)
     record: dict[str, Any] = field(default_factory=dict)  # what the conversion record says about it
     activation_limit: int | None = None
     keep_attention_inputs: bool = False
@@ -127,8 +118,9 @@ class Calibration:
         if self.tokens <= 0:
             raise UsageError(f"--calib-tokens must be positive, got {self.tokens}")
         self.path = Path(self.path)
-        read_calibration_texts(self.path)  # fail now, before any work
-        self.record.update(file=str(self.path), tokens_requested=self.tokens, device=self.device)
+        read_calibration_texts(self.path, self.text_unit)  # fail now, before any work
+        self.record.update(file=str(self.path), text_unit=self.text_unit, tokens_requested=self.tokens,
+                           device=self.device)
 
     def bind(self, model_dir: Path) -> "Calibration":
         model_dir = Path(model_dir)
@@ -204,7 +196,7 @@ class Calibration:
         tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
         config = AutoConfig.from_pretrained(self._model_dir)
         window = min(WINDOW, getattr(config.get_text_config(), "max_position_embeddings", None) or WINDOW)
-        sequences, used, docs = calibration_sequences(read_calibration_texts(self.path), tokenizer, self.tokens, window)
+        sequences, used, docs = calibration_sequences(read_calibration_texts(self.path, self.text_unit), tokenizer, self.tokens, window)
         self.record.update(tokens_used=used, documents=docs)
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from uptrain.measure.bench import BenchResult, add_bench_args, bench_from_args, write_outputs
 from uptrain.errors import exit_on_usage_error
 from uptrain.cli import ArgParser, distinct_names, format_table, prog_name
-from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, read_texts, source_from_args, window_args
+from uptrain.data import read_documents
+from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, source_from_args, window_args
 
 
 @dataclass
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     paths = [args.source, *args.gqa]
     max_length, stride = window_args(args, paths)
-    texts = read_texts(source_from_args(args), args.max_documents)
+    texts = read_documents(source_from_args(args), args.max_documents)
     evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device)
     benches = bench_from_args(args, paths)
     rows = compare(evals, benches)

@@ -18,17 +18,15 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
+from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPES
 
-if TYPE_CHECKING:
-    from uptrain.train.sources import DataSource
 
 # what --dtype accepts when loading a model: the shared table plus "auto" (as saved)
 LOAD_DTYPES: dict[str, torch.dtype | str] = {"auto": "auto", **DTYPES}
@@ -139,24 +137,11 @@ def tokenize_texts(tokenizer, texts: Iterable[str]) -> Iterable[torch.Tensor]:
 
 
 def source_from_args(args: argparse.Namespace) -> DataSource:
-    """The DataSource named by the data arguments of `add_data_args`."""
-    from uptrain.train.sources import DataSource  # imports `datasets`, which bench does not need
+    """The DataSource named by the data arguments of `add_data_args` (read it with `uptrain.data.read_documents`)."""
     return DataSource(
         dataset=args.dataset, config=args.dataset_config, split=args.split,
         files=list(args.data or []), text_field=args.text_field, text_unit=args.text_unit,
     )
-
-
-def read_texts(source: DataSource, max_documents: int | None = None) -> list[str]:
-    """The texts of `source` (at most `max_documents`), through the shared loader."""
-    from uptrain.train.sources import load_texts
-    ds = load_texts(source)
-    texts = []
-    for row in ds:
-        if max_documents is not None and len(texts) >= max_documents:
-            break
-        texts.append(row["text"])
-    return texts
 
 
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
@@ -180,8 +165,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-config", default=None)
     g.add_argument("--split", default="validation", help="split of a Hub dataset (default: validation)")
     g.add_argument("--text-field", default="text", help="column holding the text (default: text)")
-    # The choices mirror uptrain.train.sources.TEXT_UNITS (not imported: bench does not load `datasets`).
-    g.add_argument("--text-unit", default="paragraph", choices=["line", "paragraph", "file"],
+    g.add_argument("--text-unit", default=DataSource.text_unit, choices=list(TEXT_UNITS),
                    help="what one document of a .txt file is: a line, a paragraph (documents separated by "
                         "a blank line; default) or the whole file")
     g.add_argument("--max-documents", type=positive_int, default=None, help="score only the first N documents")
@@ -217,7 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     args = parser.parse_args(argv)
     max_length, stride = window_args(args, args.models)
-    texts = read_texts(source_from_args(args), args.max_documents)
+    from uptrain.data import read_documents
+
+    texts = read_documents(source_from_args(args), args.max_documents)
     results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
     rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]
     out = sys.stderr if args.json == "-" else sys.stdout

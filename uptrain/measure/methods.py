@@ -25,7 +25,8 @@ from uptrain.cli import ArgParser, positive_int, prog_name, write_json
 from uptrain.convert import convert
 from uptrain.convert.calibrate import Calibration
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.measure.eval import evaluate, load_model, read_texts, tokenize_texts
+from uptrain.data import DataSource, read_documents
+from uptrain.measure.eval import evaluate, load_model, tokenize_texts
 
 # (label, method, uses calibration)
 VARIANTS: tuple[tuple[str, str, bool], ...] = (
@@ -105,11 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from uptrain.train.sources import DataSource
     for f in args.eval_data:
         if not f.is_file():
             raise UsageError(f"--eval-data file {f} does not exist")
-    texts = read_texts(DataSource(files=[str(f) for f in args.eval_data]), args.max_documents)
+    texts = read_documents(DataSource(files=[str(f) for f in args.eval_data]), args.max_documents)
     source, rows = compare_methods(args.checkpoint, args.kv_heads, texts, args.max_length, args.stride,
                                    args.calib, args.calib_tokens, args.device)
     print(markdown(source, rows))

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from uptrain.train.sources import DataSource
+from uptrain.data import DataSource
 from uptrain.train.trainable import check_trainable
 from uptrain.errors import UsageError
 

@@ -6,7 +6,6 @@ in seconds with one line (UsageError -> exit code 2).
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from uptrain.convert.hfconfig import model_shape
 from uptrain.convert.source import open_checkpoint, resolve_source
 from uptrain.errors import UsageError
-from uptrain.train.packing import (StreamSchedule, load_blocks, load_split_blocks, load_stream_blocks,
-                                   schedule_blocks)
+from uptrain.data import DataSource, documents, split_documents
+from uptrain.data.blocks import first_blocks, require_blocks, token_blocks
+from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.train.config import OptimConfig, TrainConfig
 from uptrain.train.trainable import check_trainable_model, param_shape
 
@@ -184,36 +184,44 @@ def build_data(
 ) -> tuple[datasets.Dataset | StreamSchedule, datasets.Dataset, int | None]:
     """(train blocks for the whole run, validation blocks, train blocks available or None).
 
-    A non-streaming train source is tokenized whole and scheduled by a seeded shuffle (a resumed
-    run skips batches in the loader); a streaming one becomes a `StreamSchedule` that packs on the
-    fly and starts after the `skip_blocks` blocks a resumed run already consumed.
+    The data path of `uptrain.data`, top to bottom: sources -> documents (validation: data.val,
+    or a held-out share of the train documents) -> token blocks -> the run's schedule. A whole
+    train source is scheduled by a seeded shuffle (a resumed run skips batches in the loader); a
+    streaming one becomes a `StreamSchedule` that packs on the fly and starts after the
+    `skip_blocks` blocks a resumed run already consumed. Validation is always a fixed dataset: a
+    streaming data.val gives its first eval.max_batches x eval batch blocks.
     """
     d = config.data
-    n_sequences = plan.steps * plan.sequences_per_step
-    val = None
-    if d.val is not None and d.val.streaming:
-        # Evaluation needs a fixed, indexable set: the first max_batches x batch blocks of the stream.
-        n_val = config.eval.max_batches * (config.eval.batch_size or config.batch.micro_batch)
-        val = datasets.Dataset.from_list(list(itertools.islice(load_stream_blocks(d.val, tokenizer, d.seq_len), n_val)))
-        if len(val) == 0:
-            raise UsageError(f"data source {d.val.files or d.val.dataset} gives no full block of {d.seq_len} tokens")
-    if d.train.streaming:
-        train = StreamSchedule(d.train, tokenizer, d.seq_len, n_sequences, config.seed, d.repeat_data,
-                               d.shuffle_buffer, skip_blocks)
-        if val is None:
-            with accelerator.main_process_first():
-                val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)  # validated: data.val is set
-        return train, val, None
-    # The main process tokenizes first and fills the datasets cache; the others then read it.
+    # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
     with accelerator.main_process_first():
-        if d.val is None:  # hold out whole documents of the train source
-            train, val = load_split_blocks(d.train, d.val_fraction, config.seed, tokenizer, d.seq_len, d.num_proc)
+        train_docs = documents(d.train)
+        if d.val is None:  # hold out whole documents of the train source (validated: not streaming)
+            train_docs, val_docs = split_documents(train_docs, d.val_fraction, config.seed)
         else:
-            train = load_blocks(d.train, tokenizer, d.seq_len, d.num_proc)
-            if val is None:
-                val = load_blocks(d.val, tokenizer, d.seq_len, d.num_proc)
-    scheduled = schedule_blocks(train, n_sequences, config.seed, d.repeat_data)
-    return scheduled, val, len(train)
+            val_docs = documents(d.val)
+        train = token_blocks(train_docs, tokenizer, d.seq_len, d.num_proc)
+        val = token_blocks(val_docs, tokenizer, d.seq_len, d.num_proc)
+        if d.val is not None and d.val.streaming:
+            val = first_blocks(val, config.eval.max_batches * (config.eval.batch_size or config.batch.micro_batch))
+    if not d.train.streaming:
+        require_blocks(train, d.seq_len, _name(d.train))
+    if d.val is None:
+        require_blocks(val, d.seq_len, f"the held-out {d.val_fraction:g} of {_name(d.train)} ({len(val_docs)} documents)",
+                       "raise data.val_fraction or give data.val")
+    else:
+        require_blocks(val, d.seq_len, _name(d.val))
+
+    n_sequences = plan.steps * plan.sequences_per_step
+    if d.train.streaming:
+        schedule = StreamSchedule(train, n_sequences, config.seed, d.repeat_data, d.shuffle_buffer, skip_blocks,
+                                  name=f"the training stream {_name(d.train)}")
+        return schedule, val, None
+    return schedule_blocks(train, n_sequences, config.seed, d.repeat_data), val, len(train)
+
+
+def _name(source: DataSource) -> str:
+    """A source as an error message names it."""
+    return f"data source {source.files or source.dataset}"
 
 
 def check_validation_size(config: TrainConfig, n_val_blocks: int) -> int:

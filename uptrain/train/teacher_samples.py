@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig
-from uptrain.train.sources import DataSource, TeacherSamples
+from uptrain.data import DataSource, TeacherSamples
 
 FOLDER = "teacher_samples"
 SAMPLES = "samples.jsonl"

@@ -1,21 +1,18 @@
-"""Where text comes from: a Hub dataset or local text/jsonl/parquet files, through `datasets`.
+"""What to read (step 1 of `uptrain.data`): a Hub dataset or local text/jsonl/parquet files.
 
-`load_texts` is shared by the trainer and the evaluator so that both read data the same way.
+Standard library only (and huggingface_hub for the reachability probe): the config and the CLIs
+import it before anything heavy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from uptrain.errors import UsageError
 
-if TYPE_CHECKING:
-    import datasets
-
 # File suffix -> the `datasets` builder that reads it.
-_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+FILE_TYPES = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 # What one document of a text file is -> the `sample_by` of datasets' text builder that reads it so.
 TEXT_UNITS = {"line": "line", "paragraph": "paragraph", "file": "document"}
@@ -81,23 +78,23 @@ class DataSource:
         if self.text_unit not in TEXT_UNITS:
             raise UsageError(f"unknown text_unit {self.text_unit!r}; use one of {', '.join(TEXT_UNITS)}")
         if self.files:
+            for f in self.files:
+                path = Path(f)
+                if not path.exists():
+                    raise UsageError(f"data file not found: {f}; check the path")
+                if path.is_dir():
+                    raise UsageError(f"data file {f} is a directory; name the files in it (e.g. {path / '*.txt'})")
+                if path.stat().st_size == 0:
+                    raise UsageError(f"data file {f} is empty; give a file with text in it")
             suffixes = {Path(f).suffix.lower() for f in self.files}
-            unknown = suffixes - set(_BUILDERS)
+            unknown = suffixes - set(FILE_TYPES)
             if unknown:
                 raise UsageError(
-                    f"unsupported data file type(s) {sorted(unknown)}; use one of {sorted(_BUILDERS)}"
+                    f"unsupported data file type(s) {sorted(unknown)}; use one of {sorted(FILE_TYPES)}"
                 )
-            builders = {_BUILDERS[s] for s in suffixes}
+            builders = {FILE_TYPES[s] for s in suffixes}
             if len(builders) > 1:
                 raise UsageError(f"mixed data file types {sorted(suffixes)}; give files of one type per source")
-            missing = [f for f in self.files if not Path(f).is_file()]
-            if missing:
-                raise UsageError(f"data file not found: {missing[0]}; check the path")
-
-
-def _strip_newlines(row: dict[str, str]) -> dict[str, str]:
-    """The row with newlines removed from both ends of its text."""
-    return {"text": row["text"].strip("\n")}
 
 
 def check_hub_reachable(dataset: str, timeout_s: float = 10.0) -> None:
@@ -119,39 +116,3 @@ def check_hub_reachable(dataset: str, timeout_s: float = 10.0) -> None:
             f"cannot reach the Hugging Face Hub to load dataset {dataset!r} ({str(err).splitlines()[0]}); "
             "use local files (data.train.files / data.val.files), or HF_HUB_OFFLINE=1 to read a cached copy"
         ) from None
-
-
-def load_texts(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
-    """Load `source` as a dataset with one column, "text" (empty documents dropped)."""
-    import datasets  # here, not at the top: config.py imports this module and --help needs no datasets
-
-    source.validate()
-    if source.files:
-        builder = _BUILDERS[Path(source.files[0]).suffix.lower()]
-        files = [str(Path(f).resolve()) for f in source.files]
-        options = {"sample_by": TEXT_UNITS[source.text_unit]} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=source.streaming, **options)
-        if builder == "text" and source.text_unit != "line":
-            # Runs of 3+ newlines and a file's last newline are left on the edges of a paragraph or
-            # file: they separate documents, they are not part of one.
-            ds = ds.map(_strip_newlines)
-    else:
-        check_hub_reachable(source.dataset)
-        try:
-            ds = datasets.load_dataset(
-                source.dataset, source.config, split=source.split, streaming=source.streaming
-            )
-        except (FileNotFoundError, ConnectionError, ValueError) as err:
-            raise UsageError(
-                f"cannot load dataset {source.dataset!r} (split {source.split!r}): "
-                f"{str(err).splitlines()[0]}; check the name or use local files"
-            ) from err
-    columns = ds.column_names  # None for some streaming Hub datasets: checked when read
-    if columns is not None and source.text_field not in columns:
-        raise UsageError(
-            f"data has no {source.text_field!r} column (columns: {columns}); set text_field"
-        )
-    ds = ds.select_columns([source.text_field])
-    if source.text_field != "text":
-        ds = ds.rename_column(source.text_field, "text")
-    return ds.filter(lambda row: bool(row["text"] and row["text"].strip()))
