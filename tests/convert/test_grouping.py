@@ -4,6 +4,10 @@ similarity it searches on (aligned for `fit`, plain for `mean`)."""
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ import torch
 from uptrain.convert import grouping
 from uptrain.convert.fit import rotary_planes
 from uptrain.convert.grouping import equal_groups, head_similarity
+from uptrain.convert import RECORD_FILE
+from uptrain.convert.__main__ import main
 
 
 def objective(s: torch.Tensor, parts: list[list[int]]) -> float:
@@ -137,3 +143,26 @@ def test_brute_force_optimum_on_small_structured_matrices():
 def test_uneven_split_is_refused():
     with pytest.raises(ValueError, match="do not split"):
         equal_groups(torch.zeros(6, 6), 4)
+
+
+# ------------------------------------------------------------------ the real reference model, end to end
+
+REFERENCE = Path(__file__).resolve().parents[2] / "results" / "paper" / "reference-mha8"
+
+
+@pytest.mark.parametrize("kv", [4, 2])
+def test_cli_groups_the_reference_model_by_similarity(tmp_path, capsys, kv):
+    """The paper-reproduction model (8 heads, 4 layers) whose head similarities made the old swap pass
+    crash ('3 is not in list' at kv 4, '6 is not in list' at kv 2): kv 4 in a real process."""
+    out = tmp_path / "out"
+    argv = [str(REFERENCE), "--kv-heads", str(kv), "--method", "mean", "--grouping", "similar", "--out", str(out)]
+    if kv == 4:
+        proc = subprocess.run([sys.executable, "-m", "uptrain.convert", *argv], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["grouping"] == "similar"
+    orders = record["head_order"]
+    assert len(orders) == 4 and all(sorted(o) == list(range(8)) for o in orders.values())
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == kv
