@@ -145,6 +145,94 @@ def test_uneven_split_is_refused():
         equal_groups(torch.zeros(6, 6), 4)
 
 
+# ------------------------------------------------------------------ the similarity: aligned for fit
+
+
+def transformed(k: torch.Tensor, v: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor],
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `fit` aligns away: key rows [hd, D] rotated and scaled within each rotary plane (a complex
+    scale per plane), value rows [hd, D] mixed by a random invertible matrix."""
+    first, second = planes
+    scale = torch.polar(0.3 + 2.7 * torch.rand(len(first), generator=gen, dtype=torch.float64),
+                        2 * torch.pi * torch.rand(len(first), generator=gen, dtype=torch.float64))
+    plane = torch.complex(k[first].double(), k[second].double()) * scale[:, None]
+    k2 = k.double().clone()
+    k2[first], k2[second] = plane.real, plane.imag
+    mix = torch.randn(len(v), len(v), generator=gen, dtype=torch.float64) + 2 * torch.eye(len(v), dtype=torch.float64)
+    return k2, mix @ v.double()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_aligned_similarity_sees_through_what_fit_aligns(interleaved):
+    """A head transformed within its rotary planes (keys) and by a value mix is, for `fit`, as alike
+    to its original as the original to itself (the maximum, 2); plain cosine (for mean) says it is not."""
+    gen = torch.Generator().manual_seed(3)
+    hd, d = 8, 12
+    planes = rotary_planes(hd, interleaved)
+    k, v = torch.randn(2, hd, d, generator=gen, dtype=torch.float64), torch.randn(2, hd, d, generator=gen,
+                                                                                 dtype=torch.float64)
+    k1, v1 = transformed(k[0], v[0], planes, gen)
+    wk, wv = torch.stack([k[0], k1, k[1]]), torch.stack([v[0], v1, v[1]])
+    x = torch.randn(200, d, generator=gen, dtype=torch.float64)
+    for sigma in (torch.eye(d, dtype=torch.float64), x.T @ x / len(x)):  # without and with calibration
+        aligned = head_similarity(wk, wv, sigma, True, planes)
+        plain = head_similarity(wk, wv, sigma, False, planes)
+        torch.testing.assert_close(aligned[0, 0], torch.tensor(2.0, dtype=torch.float64))
+        torch.testing.assert_close(aligned[0, 1], aligned[0, 0])  # the transformed copy: as alike as itself
+        torch.testing.assert_close(aligned, aligned.T)
+        assert aligned[0, 2] < 1.9  # a different head is not
+        assert plain[0, 1] < 1.5  # as-is, the copy does not look alike: the case is a real test
+
+
+def planted_transformed(heads: int, groups: int, hd: int, d: int, interleaved: bool, gen: torch.Generator
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """[heads, hd, d] keys and values: `groups` random heads, each copied heads/groups times with a
+    different `transformed`, shuffled; returns them and the true groups."""
+    planes = rotary_planes(hd, interleaved)
+    owner = torch.randperm(heads, generator=gen) % groups
+    base_k, base_v = torch.randn(2, groups, hd, d, generator=gen, dtype=torch.float64)
+    pairs = [transformed(base_k[o], base_v[o], planes, gen) for o in owner.tolist()]
+    truth = sorted(sorted(torch.nonzero(owner == o)[:, 0].tolist()) for o in range(groups))
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]), truth
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 2), (32, 8), (64, 4)])
+def test_fit_grouping_puts_transformed_copies_together(heads, groups):
+    gen = torch.Generator().manual_seed(heads)
+    for interleaved in (False, True):
+        wk, wv, truth = planted_transformed(heads, groups, 8, 24, interleaved, gen)
+        sim = head_similarity(wk, wv, torch.eye(24), True, rotary_planes(8, interleaved))
+        assert equal_groups(sim, groups) == truth
+
+
+@pytest.mark.parametrize("model_type,interleaved", [("llama", False), ("cohere", True)])
+def test_convert_fit_similar_groups_planted_heads(tmp_path, model_type, interleaved):
+    """Through a conversion: a model whose K/V heads are transformed copies of 2 heads per layer
+    (shuffled) is grouped by `--method fit --grouping similar` into exactly those copies."""
+    from transformers import AutoConfig
+
+    from tiny import random_model, save
+    heads, hd = 8, 8
+    cfg = AutoConfig.for_model(model_type, hidden_size=heads * hd, head_dim=hd, num_attention_heads=heads,
+                               num_key_value_heads=heads, num_hidden_layers=2, intermediate_size=32,
+                               vocab_size=128, max_position_embeddings=64)
+    model = random_model(cfg)
+    gen = torch.Generator().manual_seed(5)
+    truths = {}
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        wk, wv, truths[f"model.layers.{i}.self_attn."] = planted_transformed(heads, 2, hd, heads * hd,
+                                                                              interleaved, gen)
+        with torch.no_grad():
+            attn.k_proj.weight.copy_(wk.reshape(heads * hd, -1))
+            attn.v_proj.weight.copy_(wv.reshape(heads * hd, -1))
+    src = save(model, tmp_path / "src")
+    from uptrain.convert import convert
+    convert(str(src), tmp_path / "out", 2, "fit", grouping="similar")
+    orders = json.loads((tmp_path / "out" / RECORD_FILE).read_text())["head_order"]
+    assert {name: sorted([sorted(o[:4]), sorted(o[4:])]) for name, o in orders.items()} == truths
+
+
 # ------------------------------------------------------------------ the real reference model, end to end
 
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "paper" / "reference-mha8"
