@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,3 +128,45 @@ def test_refusals_found_after_planning_print_no_plan(mha8, tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+BOOM = "from uptrain.convert import layerwise\n" \
+       "def boom(similarity, groups):\n" \
+       "    raise ValueError('3 is not in list\\nsecond line')\n" \
+       "layerwise.group_permutation = boom\n"
+
+
+def test_an_internal_error_is_one_line_exit_1_and_the_output_is_untouched(mha8, tmp_path, capsys, monkeypatch):
+    """A fault inside our own code (the head grouping raising, as the old swap pass did) mid-conversion
+    with --force over an existing output: one line that says it is ours, exit 1, the old output kept."""
+    from uptrain.convert import layerwise
+    namespace: dict = {}
+    exec(BOOM.replace("layerwise.group_permutation = boom", ""), namespace)  # the real process's fault, here
+    monkeypatch.setattr(layerwise, "group_permutation", namespace["boom"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    capsys.readouterr()
+    argv = [str(mha8), "--kv-heads", "2", "--grouping", "similar", "--out", str(tmp_path / "out"), "--force"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "internal error: ValueError: 3 is not in list" in err and "please report" in err
+    assert "UPTRAIN_DEBUG=1" in err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    nothing_written(tmp_path, "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+
+
+def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, tmp_path):
+    script = BOOM + "import sys\nfrom uptrain.convert.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+    argv = [sys.executable, "-c", script, str(mha8), "--kv-heads", "2", "--grouping", "similar",
+            "--out", str(tmp_path / "out")]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "internal error: ValueError" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    nothing_written(tmp_path)
+    debug = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "UPTRAIN_DEBUG": "1"})
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "in boom" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("uptrain.convert: internal error: ValueError")
+    nothing_written(tmp_path)

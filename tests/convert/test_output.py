@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 from transformers import AutoConfig
 
@@ -100,3 +102,49 @@ def test_every_file_and_the_folder_reach_the_disk_before_the_rename(mha8, tmp_pa
     assert [f for f in files if tmp / f not in synced_before] == []
     assert tmp in synced_before
     assert out.parent in {Path(e[1]) for e in events[final[0] + 1:] if e[0] == "fsync"}
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_forced_replacement_reaches_the_disk_before_the_old_output_leaves(mha8, tmp_path, monkeypatch, exchange):
+    """--force over an existing output: every new file is fsynced before the swap; on the two-step
+    path the 'complete' mark is synced (parent folder) before the old output moves, and the
+    parent again after the new one is in place."""
+    from uptrain.convert import shards
+    out = (tmp_path / "out").resolve()
+    convert(str(mha8), out, 4)
+    events: list[tuple] = []
+    real_fsync, real_rename, real_exchange = os.fsync, os.rename, shards.exchange_paths
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def rename(a, b, *args, **kwargs):
+        events.append(("rename", Path(a), Path(b)))
+        return real_rename(a, b, *args, **kwargs)
+
+    def exchange_paths(a, b):
+        done = real_exchange(a, b) if exchange else False
+        events.append(("exchange" if done else "no exchange", Path(a), Path(b)))
+        return done
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(shards, "exchange_paths", exchange_paths)
+    convert(str(mha8), out, 2, force=True)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    kinds = [e[0] for e in events]
+    first_move = kinds.index("exchange") if "exchange" in kinds else \
+        next(i for i, e in enumerate(events) if e[0] == "rename" and e[1] == out)
+    if exchange and "exchange" not in kinds:
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this filesystem")
+    tmp = events[kinds.index("no exchange" if not exchange else "exchange")][1]
+    synced = {e[1] for e in events[:first_move] if e[0] == "fsync"}
+    assert {tmp / p.name for p in out.iterdir()} | {tmp} <= synced
+    assert ("fsync", out.parent) in events[first_move:]
+    if not exchange:  # tmp -> complete, parent synced, out -> old, complete -> out, parent synced
+        renames = [e for e in events if e[0] == "rename" and e[1].parent == out.parent]  # folders, not shards
+        complete, old = renames[0][2], renames[1][2]
+        assert [r[1:] for r in renames] == [(tmp, complete), (out, old), (complete, out)]
+        assert ".complete-" in complete.name and ".old-" in old.name
+        assert events.index(("fsync", out.parent)) < events.index(renames[1])

@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 import threading
+import traceback
+from collections.abc import Callable
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +111,42 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
     return planned.plan
 
 
+def report_internal_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Turn an unexpected exception (a bug of ours, not bad input) into one stderr line and exit 1.
+
+    The output folder is already as it was (`atomic_output_dir` removed the temporary one). The
+    traceback is printed only with --verbose or UPTRAIN_DEBUG=1: a user first needs to know that
+    the fault is ours and that the output is untouched. Bad input (UsageError) passes through to
+    `exit_on_usage_error` (exit 2).
+    """
+
+    @wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except UsageError:
+            raise
+        except KeyboardInterrupt:
+            print("uptrain.convert: interrupted; the output folder is as it was", file=sys.stderr)
+            return 130
+        except Exception as err:  # noqa: BLE001 - the last stop before a traceback
+            if os.environ.get("UPTRAIN_DEBUG") or "--verbose" in (sys.argv[1:] if argv is None else argv):
+                traceback.print_exc()
+            what = " ".join(str(err).split()) or "(no message)"
+            if isinstance(err, OSError):  # the system refused something: not necessarily our bug
+                print(f"uptrain.convert: {type(err).__name__}: {what}; the output folder is as it was",
+                      file=sys.stderr)
+            else:
+                print(f"uptrain.convert: internal error: {type(err).__name__}: {what}; the output folder is "
+                      f"as it was; please report it (rerun with --verbose or UPTRAIN_DEBUG=1 for the traceback)",
+                      file=sys.stderr)
+            return 1
+
+    return wrapper
+
+
 @exit_on_usage_error
+@report_internal_errors
 def main(argv: list[str] | None = None) -> int:
     phases = Phases()
     args = build_parser().parse_args(argv)
