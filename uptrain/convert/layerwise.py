@@ -180,17 +180,20 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
 
 
 class _LayerCache:
-    """Transforms a layer on the first request for one of its tensors; forgets it after the last."""
+    """One layer's converted tensors: computed from the layer's source tensors, which only the
+    layer's first output carries (so each is read once), and forgotten after the last is taken."""
 
     def __init__(self, compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 keys: list[str], wanted: set[str]):
-        self.compute, self.keys, self.remaining = compute, keys, set(wanted)
+                 keys: list[str], wanted: set[str], layer: str):
+        self.compute, self.keys, self.remaining, self.layer = compute, keys, set(wanted), layer
         self.result: dict[str, torch.Tensor] | None = None
 
     def take(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.result is None:
+            if len(tensors) != len(self.keys):  # outputs must be built in plan order
+                raise RuntimeError(f"{self.layer}{key} was built before the first output of its layer")
             self.result = self.compute(dict(zip(self.keys, tensors)))
-        out = self.result[key]
+        out = self.result.pop(key)
         self.remaining.discard(key)
         if not self.remaining:
             self.result = None
@@ -225,8 +228,9 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         def compute(ts, layer=layer):
             return transform_layer(ts, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
                                    layer, layout)
-        caches[layer] = _LayerCache(compute, keys, set(keys))
+        caches[layer] = _LayerCache(compute, keys, set(keys), layer)
     result = []
+    started: set[str] = set()
     for output in outputs:
         m = _ATTN.match(output.spec.name)
         if not m or m["layer"] not in caches:
@@ -234,7 +238,9 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
             continue
         layer, key = m["layer"], f"{_PART[m['part']]}.{m['param']}"
         cache = caches[layer]
-        sources = tuple(layers[layer][k] for k in cache.keys)
+        # The layer's first output reads all its tensors; the others take from the cache.
+        sources = () if layer in started else tuple(layers[layer][k] for k in cache.keys)
+        started.add(layer)
         result.append(replace(output, sources=sources,
                               make=lambda ts, cache=cache, key=key: cache.take(key, ts),
                               unchanged=False))  # rewritten: never a byte copy of its source

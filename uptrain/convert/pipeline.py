@@ -154,8 +154,8 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
             for output in built:
                 if cancel.is_set():
                     return writer
-                info = output.sources[0]
-                if output.unchanged and info.offset is not None:
+                info = output.sources[0] if output.unchanged else None
+                if info is not None and info.offset is not None:
                     with phases("write built"), open(info.file, "rb") as f:
                         writer.copy(output.spec.stored(), f.fileno(), info.offset)
                     continue
