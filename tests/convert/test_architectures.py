@@ -146,7 +146,8 @@ def test_every_registry_type_resolves_every_fact():
 
 def _attention_modules(model, names) -> dict[str, torch.nn.Module]:
     """Each decoder layer's attention module, found by the registry's name."""
-    return {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == names.module and n.split(".")[-2].isdigit()}
+    return {n: m for n, m in model.named_modules()
+            if n.rsplit(".", 1)[-1] == names.module and n.split(".")[-2].isdigit()}
 
 
 @pytest.mark.parametrize("model_type, extra", ALL_TYPES, ids=ALL_IDS)
@@ -166,10 +167,12 @@ def test_registry_names_are_the_modules_transformers_builds(model_type, extra, t
         attn = _attention_modules(model, names)
         assert len(attn) == cfg.num_hidden_layers, f"no {names.module!r} module in each layer"
         for prefix, module in attn.items():
-            linear = {n for n, m in module.named_children() if isinstance(m, torch.nn.Linear) or "Conv1D" in type(m).__name__}
+            linear = {n for n, m in module.named_children()
+                      if isinstance(m, torch.nn.Linear) or "Conv1D" in type(m).__name__}
             assert linear == set(names.roles()), (prefix, linear)
             has_norm = bool(family.key_norm_module) and hasattr(module, family.key_norm_module)
-            assert has_norm == (family.key_norm_in(cfg.to_dict()) is not None), (prefix, family.key_norm_in(cfg.to_dict()))
+            said = family.key_norm_in(cfg.to_dict())
+            assert has_norm == (said is not None), (prefix, said)
         # the K/V tensor rules name tensors as checkpoints store them (EXAONE's differ from its modules)
         params = [n for f in save(model, tmp_path / f"{model_type}-{len(cfg_extra)}").glob("*.safetensors")
                   for n in safe_open(f, "pt").keys()]
@@ -196,10 +199,12 @@ def _rotate_planes(rows: torch.Tensor, heads: int, hd: int, angles: torch.Tensor
     return r.reshape(rows.shape)
 
 
-ROPE_TYPES = [(t, e) for t, e in ALL_TYPES if t != "gpt_bigcode"]  # GPTBigCode: learned positions, no RoPE
+# GPTBigCode: learned positions, no RoPE
+ROPE_TYPES = [(t, e) for t, e in ALL_TYPES if t != "gpt_bigcode"]
+ROPE_IDS = [i for i, (t, _) in zip(ALL_IDS, ALL_TYPES) if t != "gpt_bigcode"]
 
 
-@pytest.mark.parametrize("model_type, extra", ROPE_TYPES, ids=[i for i, (t, _) in zip(ALL_IDS, ALL_TYPES) if t != "gpt_bigcode"])
+@pytest.mark.parametrize("model_type, extra", ROPE_TYPES, ids=ROPE_IDS)
 def test_rope_pairing_is_the_one_transformers_applies(model_type, extra, one_torch_thread):
     """Rotating q and k of each head by the same angle in each RoPE plane keeps every score, at every
     position, only if the planes are the ones the modeling file rotates: the registry's
