@@ -16,6 +16,8 @@ import torch
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
+from uptrain.convert.choices import GROUPINGS, METHODS
+from uptrain.convert.hfconfig import model_shape
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
@@ -31,8 +33,8 @@ def held_out_loss(model_dir: Path, texts: list[str]) -> tuple[float, float, int]
     """(loss in nats/token, perplexity, KV-cache bytes per token) of a model folder on `texts`."""
     model, tokenizer = load_model(str(model_dir))
     result = evaluate(model, tokenize_texts(tokenizer, texts), max_length=512, stride=256)
-    c = model.config
-    kv = kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.dtype.itemsize)
+    shape = model_shape(model.config)  # the registry's K/V head field, as convert and train read it
+    kv = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, model.dtype.itemsize)
     return result.loss, result.perplexity, kv
 
 
@@ -49,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog=prog_name("uptrain.demo"), description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (replaced)")
     p.add_argument("--kv-heads", type=positive_int, default=2, help="K/V heads after conversion (of 8)")
-    p.add_argument("--method", choices=["mean", "first", "random", "fit"], default="fit",
+    p.add_argument("--method", choices=METHODS, default="fit",
                    help="conversion method (fit: least squares with Q/O compensation; mean: the paper's)")
-    p.add_argument("--grouping", choices=["contiguous", "similar"], default="similar",
+    p.add_argument("--grouping", choices=GROUPINGS, default="similar",
                    help="which query heads share a K/V head (similar: equal groups of the most alike heads)")
     p.add_argument("--calib-tokens", type=int, default=16384,
                    help="--method fit: calibration tokens from the training sample (0: weights only)")

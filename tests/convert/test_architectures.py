@@ -8,47 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig
 
+from families import GQA_TYPES, HD, HEADS, KV, MQA_TYPES, tiny_config
 from tiny import load, logits, random_model, read_config, save
 from uptrain.convert.architectures import FAMILIES, UNSUPPORTED, family_for, supported_model_types
 from uptrain.convert import convert
 from uptrain.convert.heads import merge_qkv, repeat_heads, split_qkv
+from uptrain.convert.hfconfig import attention_dims
 
-HEADS, KV, HD = 8, 2, 8
 IDS = torch.tensor([[3, 17, 42, 5, 99, 23, 64, 7, 11]])
-SMALL = dict(hidden_size=HEADS * HD, head_dim=HD, num_attention_heads=HEADS, num_key_value_heads=KV, num_hidden_layers=2,
-             intermediate_size=32, vocab_size=128, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-             eos_token_id=2)
-MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-           shared_expert_intermediate_size=16)
-
-# model type -> extra config: each family's special features switched on
-GQA_TYPES: dict[str, dict] = {
-    "llama": dict(attention_bias=True, tie_word_embeddings=True),
-    "mistral": dict(sliding_window=4), "mixtral": MOE, "qwen2": {}, "qwen2_moe": dict(MOE, qkv_bias=True),
-    "qwen3": {}, "qwen3_moe": MOE, "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16),
-    "gemma3_text": dict(head_dim=16, sliding_window=4), "granite": {}, "granitemoe": MOE,
-    "starcoder2": dict(use_bias=True), "olmo": dict(clip_qkv=8.0), "nemotron": dict(partial_rotary_factor=0.5),
-    "helium": {}, "glm": {}, "glm4": {}, "smollm3": {}, "ernie4_5": dict(use_bias=True), "exaone4": {},
-    "seed_oss": dict(attention_bias=True), "exaone": {}, "internlm3": dict(bias=True, qkv_bias=True), "ministral": {},
-    "arcee": {}, "cohere2": {},
-    "phi": dict(qk_layernorm=True, partial_rotary_factor=0.5), "phi3": {},
-    "stablelm": dict(qk_layernorm=True, use_qkv_bias=True, partial_rotary_factor=0.25),
-    "cohere": dict(use_qk_norm=True), "olmo2": {}, "olmo3": {},
-    "falcon": dict(new_decoder_architecture=True, num_kv_heads=KV, alibi=False, bias=True, head_dim=None),
-}
-MQA_TYPES: dict[str, dict] = {  # classes with only a multi_query switch: MHA -> MQA
-    "falcon": dict(new_decoder_architecture=False, multi_query=True, alibi=False, bias=True, parallel_attn=True,
-                   head_dim=None),
-    "gpt_bigcode": dict(multi_query=True, n_positions=256, head_dim=None),
-}
 
 
 def build(model_type: str, extra: dict, tmp: Path, name: str, seed: int = 0) -> Path:
-    kwargs = {k: v for k, v in {**SMALL, **extra}.items() if v is not None}  # None: the class derives it
-    cfg = AutoConfig.for_model(model_type, **kwargs)
-    return save(random_model(cfg, seed), tmp / name)
+    return save(random_model(tiny_config(model_type, extra), seed), tmp / name)
 
 
 def test_registry_covers_every_tested_type():
@@ -143,3 +117,139 @@ def test_readme_table_is_the_registry():
     from conftest import REPO
     from uptrain.convert.architectures import markdown_table
     assert markdown_table() in (REPO / "README.md").read_text(), "run: python -m uptrain.convert.architectures"
+
+
+# ------------------------------------------------------------------ the registry's facts, checked against transformers
+
+# MQA-only classes as the converter sees them: multi-head (multi_query false)
+ALL_TYPES = [*GQA_TYPES.items(), *((t, dict(e, multi_query=False)) for t, e in MQA_TYPES.items())]
+ALL_IDS = [f"{t}-{'gqa' if i < len(GQA_TYPES) else 'mqa'}" for i, (t, _) in enumerate(ALL_TYPES)]
+
+
+def test_every_registry_type_resolves_every_fact():
+    """No family falls back on a default it does not state: every model type of every entry has one
+    set of attention names, a K/V tensor rule, and a key norm named where it has one."""
+    from uptrain.convert.architectures import attention_for
+
+    for family in FAMILIES:
+        a = family.attention
+        assert a.module and a.o and (a.qkv or (a.q and a.k and a.v)), family.model_types
+        assert bool(a.qkv) == (family.qkv_layout is not None) or family.refuse, family.model_types
+        assert bool(family.key_norm) == bool(family.key_norm_module), family.model_types
+        assert family.tensors and family.tensors[0].kind == ("qkv" if a.qkv else "heads")
+        for model_type in family.model_types:
+            assert attention_for(model_type) == family.modules, f"{model_type}: entries disagree on its names"
+    for model_type, extra in ALL_TYPES:
+        family = family_for(tiny_config(model_type, extra).to_dict())
+        assert model_type in family.model_types
+
+
+def _attention_modules(model, names) -> dict[str, torch.nn.Module]:
+    """Each decoder layer's attention module, found by the registry's name."""
+    return {n: m for n, m in model.named_modules()
+            if n.rsplit(".", 1)[-1] == names.module and n.split(".")[-2].isdigit()}
+
+
+@pytest.mark.parametrize("model_type, extra", ALL_TYPES, ids=ALL_IDS)
+def test_registry_names_are_the_modules_transformers_builds(model_type, extra, tmp_path):
+    """The attention module and its q/k/v/o (or fused) projections exist under the registry's
+    names in every layer and are all its linear maps; key norms exist exactly where the registry
+    says (flags on and off); the K/V tensor rules match real parameters; calibration finds one
+    input module per layer."""
+    from transformers import AutoModelForCausalLM
+
+    # the families' optional q/k norms on (as in GQA_TYPES), then every such switch off
+    for cfg_extra in (extra, dict(extra, qk_layernorm=False, use_qk_norm=False)):
+        cfg = tiny_config(model_type, cfg_extra)
+        family = family_for(cfg.to_dict())
+        model = AutoModelForCausalLM.from_config(cfg)
+        names = family.modules
+        attn = _attention_modules(model, names)
+        assert len(attn) == cfg.num_hidden_layers, f"no {names.module!r} module in each layer"
+        for prefix, module in attn.items():
+            linear = {n for n, m in module.named_children()
+                      if isinstance(m, torch.nn.Linear) or "Conv1D" in type(m).__name__}
+            assert linear == set(names.roles()), (prefix, linear)
+            has_norm = bool(family.key_norm_module) and hasattr(module, family.key_norm_module)
+            said = family.key_norm_in(cfg.to_dict())
+            assert has_norm == (said is not None), (prefix, said)
+        # the K/V tensor rules name tensors as checkpoints store them (EXAONE's differ from its modules)
+        params = [n for f in save(model, tmp_path / f"{model_type}-{len(cfg_extra)}").glob("*.safetensors")
+                  for n in safe_open(f, "pt").keys()]
+        for rule in family.tensors:
+            hits = [n for n in params if rule.match(n)]
+            if rule.is_norm and family.key_norm_in(cfg.to_dict()) is None:
+                assert not hits, rule.pattern
+            else:
+                assert len(hits) >= cfg.num_hidden_layers, rule.pattern
+        inputs = names.input_modules(n for n, _ in model.named_modules())
+        assert sorted(inputs.values()) == sorted(f"{p}." for p in attn)
+
+
+def _rotate_planes(rows: torch.Tensor, heads: int, hd: int, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate each head's rows [heads*hd, *rest] in each RoPE plane by angles [heads, hd/2]:
+    planes (2i, 2i+1) when interleaved, else (i, i + hd/2); built here, independently of fit.py."""
+    first, second = ((torch.arange(0, hd, 2), torch.arange(1, hd, 2)) if interleaved
+                     else (torch.arange(hd // 2), torch.arange(hd // 2, hd)))
+    r = rows.reshape(heads, hd, *rows.shape[1:]).clone()
+    c = angles.cos().reshape(heads, hd // 2, *([1] * (rows.dim() - 1)))
+    s = angles.sin().reshape(heads, hd // 2, *([1] * (rows.dim() - 1)))
+    a, b = r[:, first], r[:, second]
+    r[:, first], r[:, second] = c * a - s * b, s * a + c * b
+    return r.reshape(rows.shape)
+
+
+# GPTBigCode: learned positions, no RoPE
+ROPE_TYPES = [(t, e) for t, e in ALL_TYPES if t != "gpt_bigcode"]
+ROPE_IDS = [i for i, (t, _) in zip(ALL_IDS, ALL_TYPES) if t != "gpt_bigcode"]
+
+
+@pytest.mark.parametrize("model_type, extra", ROPE_TYPES, ids=ROPE_IDS)
+def test_rope_pairing_is_the_one_transformers_applies(model_type, extra, one_torch_thread):
+    """Rotating q and k of each head by the same angle in each RoPE plane keeps every score, at every
+    position, only if the planes are the ones the modeling file rotates: the registry's
+    `interleaved_rope` keeps the logits; the other pairing changes them."""
+    family = family_for(tiny_config(model_type, extra).to_dict())
+    # full rotary, no LayerNorm on q/k (mean subtraction is not rotation-invariant)
+    extra = {**extra, "partial_rotary_factor": 1.0, "qk_layernorm": False, "use_qk_norm": False}
+    cfg = tiny_config(model_type, extra)
+    model = random_model(cfg)
+    dims = attention_dims(cfg, family)
+    heads, kv, hd = dims.heads, dims.kv_heads, dims.head_dim
+    state = model.state_dict()
+    names, layout = family.modules, family.qkv_layout[0] if family.qkv_layout else None
+    for name in list(state):
+        p = names.match(name)
+        if name.split(".")[-2].endswith("norm") and f".{names.module}." in name:  # RMS q/k norms: uniform scale
+            state[name] = torch.full_like(state[name], state[name].flatten()[0].item())
+        elif p is not None and p.role in ("q", "k", "qkv"):
+            state[name] = state[name] * 4  # sharper attention: a wrong rotation shows in the logits
+    model.load_state_dict(state)
+    reference = logits(model, IDS)
+    gen = torch.Generator().manual_seed(0)
+    angles = {prefix: torch.rand(kv, hd // 2, generator=gen) * 6.28 for prefix in
+              {names.match(n).layer for n in state if names.match(n)}}
+
+    def rotated(interleaved: bool) -> torch.Tensor:
+        new = dict(state)
+        for name, t in state.items():
+            p = names.match(name)
+            if p is None or p.role not in ("q", "k", "qkv"):
+                continue
+            k_angles = angles[p.layer]
+            q_angles = k_angles.repeat_interleave(heads // kv, dim=0)  # query head h uses K/V head h // g
+            if p.role == "qkv":
+                q, k, v = split_qkv(t, layout, heads, kv, hd)
+                new[name] = merge_qkv(_rotate_planes(q, heads, hd, q_angles, interleaved),
+                                      _rotate_planes(k, kv, hd, k_angles, interleaved), v, layout, hd)
+            else:
+                n, a = (heads, q_angles) if p.role == "q" else (kv, k_angles)
+                new[name] = _rotate_planes(t, n, hd, a, interleaved)
+        model.load_state_dict(new)
+        return logits(model, IDS)
+
+    right = (rotated(family.interleaved_rope) - reference).abs().max().item()
+    wrong = (rotated(not family.interleaved_rope) - reference).abs().max().item()
+    print(f"{model_type}: |logit diff| registry pairing {right:.1e}, other pairing {wrong:.1e}")
+    assert right < 1e-4
+    assert wrong > 1e-2

@@ -14,7 +14,8 @@ from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
 from uptrain.train.run_state import complete_checkpoints
-from uptrain.train.trainable import is_trainable
+from uptrain.convert.architectures import attention_for
+from uptrain.train.trainable import apply_trainable, is_trainable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,25 +56,50 @@ def test_unknown_trainable_is_refused_before_any_work(tmp_path, capsys):
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("name, attention, kv", [
-    ("model.layers.0.self_attn.q_proj.weight", True, True),
-    ("model.layers.0.self_attn.k_proj.bias", True, True),
-    ("model.layers.0.self_attn.o_proj.weight", True, True),
-    ("model.layers.0.self_attn.k_norm.weight", True, False),  # Qwen3 / OLMo2: attention, not kv
-    ("model.layers.0.self_attn.qkv_proj.weight", True, True),  # Phi-3 fused
-    ("model.layers.0.self_attn.dense.weight", True, True),  # Phi output
-    ("transformer.h.0.self_attention.query_key_value.weight", True, True),  # Falcon
-    ("transformer.h.0.attn.c_attn.weight", True, True),  # GPTBigCode
-    ("transformer.h.0.attn.c_proj.bias", True, True),
-    ("transformer.h.0.mlp.c_proj.weight", False, False),  # GPTBigCode MLP output: not attention
-    ("model.layers.0.mlp.down_proj.weight", False, False),
-    ("model.layers.0.input_layernorm.weight", False, False),
-    ("model.embed_tokens.weight", False, False),
+@pytest.mark.parametrize("model_type, name, attention, kv", [
+    ("llama", "model.layers.0.self_attn.q_proj.weight", True, True),
+    ("qwen2", "model.layers.0.self_attn.k_proj.bias", True, True),
+    ("llama", "model.layers.0.self_attn.o_proj.weight", True, True),
+    ("qwen3", "model.layers.0.self_attn.k_norm.weight", True, False),  # Qwen3 / OLMo2: attention, not kv
+    ("phi3", "model.layers.0.self_attn.qkv_proj.weight", True, True),  # Phi-3 fused
+    ("phi", "model.layers.0.self_attn.dense.weight", True, True),  # Phi output
+    ("llama", "model.layers.0.self_attn.dense.weight", True, False),  # not a Llama projection name
+    ("falcon", "transformer.h.0.self_attention.query_key_value.weight", True, True),  # Falcon
+    ("falcon", "transformer.h.0.self_attention.dense.weight", True, True),
+    ("gpt_bigcode", "transformer.h.0.attn.c_attn.weight", True, True),  # GPTBigCode
+    ("gpt_bigcode", "transformer.h.0.attn.c_proj.bias", True, True),
+    ("gpt_bigcode", "transformer.h.0.mlp.c_proj.weight", False, False),  # GPTBigCode MLP output: not attention
+    ("llama", "model.layers.0.mlp.down_proj.weight", False, False),
+    ("llama", "model.layers.0.input_layernorm.weight", False, False),
+    ("llama", "model.embed_tokens.weight", False, False),
 ])
-def test_registry_names_are_matched(name, attention, kv):
-    assert is_trainable(name, "all")
-    assert is_trainable(name, "attention") == attention
-    assert is_trainable(name, "kv") == kv
+def test_registry_names_are_matched(model_type, name, attention, kv):
+    names = attention_for(model_type)
+    assert is_trainable(name, "all", names)
+    assert is_trainable(name, "attention", names) == attention
+    assert is_trainable(name, "kv", names) == kv
+
+
+def test_kv_and_attention_select_the_registry_modules_of_every_family():
+    """On real (tiny) models of every registry family: `kv` trains exactly the parameters of the
+    modules the registry names as q/k/v/o (or fused), `attention` everything under the attention module."""
+    from transformers import AutoModelForCausalLM
+    from families import GQA_TYPES, MQA_TYPES, tiny_config
+
+    for model_type, extra in [*GQA_TYPES.items(), *MQA_TYPES.items()]:
+        cfg = tiny_config(model_type, extra)
+        model = AutoModelForCausalLM.from_config(cfg)
+        names = attention_for(model_type)
+        modules = dict(model.named_modules())
+        attn = {n for n in modules if n.rsplit(".", 1)[-1] == names.module and n.split(".")[-2].isdigit()}
+        assert len(attn) == cfg.num_hidden_layers, (model_type, names.module)
+        projections = {f"{a}.{p}.{param}" for a in attn for p in names.roles()
+                       for param in ("weight", "bias") if getattr(modules[f"{a}.{p}"], param, None) is not None}
+        inside = {n for n, _ in model.named_parameters() if any(n.startswith(a + ".") for a in attn)}
+        apply_trainable(model, "kv")
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == projections, model_type
+        apply_trainable(model, "attention")
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == inside, model_type
 
 
 def test_stages_train_kv_first_then_all_and_resume_inside_the_schedule(tmp_path, capsys):

@@ -12,30 +12,18 @@ UsageError names what works instead (`--method mean`, `--grouping contiguous`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from uptrain.convert.architectures import Family
 from uptrain.convert.choices import GROUPINGS, Grouping
 from uptrain.convert.fit import fit_keys, fit_values, rotary_planes
 from uptrain.convert.grouping import group_permutation, head_similarity
 from uptrain.convert.heads import merge_qkv, repeat_heads, split_qkv
 from uptrain.errors import UsageError
-
-
-# RoPE pairs dims 2i, 2i+1 in these types (rotate_half on x[..., 0::2] / x[..., 1::2]); others i, i+hd/2
-INTERLEAVED_ROPE = frozenset({"cohere", "cohere2", "helium", "glm", "glm4", "ernie4_5"})
-# key norms after the projection (nonlinear): the fitted scales would be normalised away
-SHARED_KEY_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "exaone4"})
-# fused layouts where K/V heads sit between query heads, or only MQA can be expressed
-NOT_LAYERWISE = frozenset({"falcon", "gpt_bigcode"})
-
-_ATTN = re.compile(r"^(?P<layer>.*\.(?:self_attn|attention)\.)(?P<part>q_proj|k_proj|v_proj|o_proj|dense|qkv_proj)"
-                   r"\.(?P<param>weight|bias)$")
-_PART = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "dense": "o", "qkv_proj": "qkv"}
 
 
 @dataclass
@@ -57,28 +45,27 @@ def _partial_rotary(config: dict[str, Any], head_dim: int) -> bool:
     return float(factor) < 1.0 or any(int(x) < head_dim for x in dims)
 
 
-def check_layerwise(config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
+def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
     """UsageError (one line) where `method`/`grouping` cannot be done exactly for this config.
 
-    config: the config as transformers reads it (class defaults included).
+    config: the config as transformers reads it (class defaults included); the family's facts
+    (fused layout, key norms) come from the registry.
     """
     model_type = config.get("model_type", "")
-    per_head_norm = ((model_type == "stablelm" and config.get("qk_layernorm"))
-                     or (model_type == "cohere" and config.get("use_qk_norm"))
-                     or model_type in ("olmo2", "olmo3"))
+    key_norm = family.key_norm_in(config)
     if grouping == "similar":
         if method == "random":
             raise UsageError("--grouping similar has no effect with --method random (K/V are re-initialised); "
                              "use --grouping contiguous")
-        if model_type in NOT_LAYERWISE or per_head_norm:
+        if family.kv_between_queries or key_norm in ("per_head", "whole"):
             raise UsageError(f"--grouping similar is not supported for {model_type!r} (key norms or a fused "
                              f"grouped layout tie heads to their place); use --grouping contiguous")
     if method != "fit":
         return
     why = ""
-    if model_type in NOT_LAYERWISE:
+    if family.kv_between_queries:
         why = "its fused query_key_value layout interleaves K/V heads with query heads"
-    elif per_head_norm or model_type in SHARED_KEY_NORM or config.get("qk_layernorm") or config.get("use_qk_norm"):
+    elif key_norm is not None:
         why = "it normalises keys after the projection, which would undo the fitted per-head key scales"
     elif _partial_rotary(config, head_dim):
         why = "RoPE covers only part of each head (partial rotary), and the fit treats whole heads as rotary planes"
@@ -180,17 +167,20 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
 
 
 class _LayerCache:
-    """Transforms a layer on the first request for one of its tensors; forgets it after the last."""
+    """One layer's converted tensors: computed from the layer's source tensors, which only the
+    layer's first output carries (so each is read once), and forgotten after the last is taken."""
 
     def __init__(self, compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 keys: list[str], wanted: set[str]):
-        self.compute, self.keys, self.remaining = compute, keys, set(wanted)
+                 keys: list[str], wanted: set[str], layer: str):
+        self.compute, self.keys, self.remaining, self.layer = compute, keys, set(wanted), layer
         self.result: dict[str, torch.Tensor] | None = None
 
     def take(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.result is None:
+            if len(tensors) != len(self.keys):  # outputs must be built in plan order
+                raise RuntimeError(f"{self.layer}{key} was built before the first output of its layer")
             self.result = self.compute(dict(zip(self.keys, tensors)))
-        out = self.result[key]
+        out = self.result.pop(key)
         self.remaining.discard(key)
         if not self.remaining:
             self.result = None
@@ -205,12 +195,12 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
     """
     from dataclasses import replace
 
-    d, settings = change.dims, change.layerwise
+    d, settings, attention = change.dims, change.layerwise, change.family.attention
     layers: dict[str, dict[str, Any]] = {}
     for info in infos:
-        m = _ATTN.match(info.name)
-        if m:
-            layers.setdefault(m["layer"], {})[f"{_PART[m['part']]}.{m['param']}"] = info
+        p = attention.match(info.name)
+        if p:
+            layers.setdefault(p.layer, {})[f"{p.role}.{p.param}"] = info
     if len(layers) != d.layers:
         raise UsageError(f"found attention projections in {len(layers)} of {d.layers} layers; "
                          f"the layer-at-a-time conversion does not know this checkpoint's tensor names")
@@ -225,24 +215,27 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         def compute(ts, layer=layer):
             return transform_layer(ts, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
                                    layer, layout)
-        caches[layer] = _LayerCache(compute, keys, set(keys))
+        caches[layer] = _LayerCache(compute, keys, set(keys), layer)
     result = []
+    started: set[str] = set()
     for output in outputs:
-        m = _ATTN.match(output.spec.name)
-        if not m or m["layer"] not in caches:
+        p = attention.match(output.spec.name)
+        if not p or p.layer not in caches:
             result.append(output)
             continue
-        layer, key = m["layer"], f"{_PART[m['part']]}.{m['param']}"
+        layer, key = p.layer, f"{p.role}.{p.param}"
         cache = caches[layer]
-        sources = tuple(layers[layer][k] for k in cache.keys)
+        # The layer's first output reads all its tensors; the others take from the cache.
+        sources = () if layer in started else tuple(layers[layer][k] for k in cache.keys)
+        started.add(layer)
         result.append(replace(output, sources=sources,
                               make=lambda ts, cache=cache, key=key: cache.take(key, ts),
                               unchanged=False))  # rewritten: never a byte copy of its source
     return result
 
 
-def layerwise_settings(config: dict[str, Any], heads: int, kv_heads: int, head_dim: int, new_kv: int,
-                       method: str, grouping: str, calibration=None) -> Layerwise | None:
+def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_heads: int, head_dim: int,
+                       new_kv: int, method: str, grouping: str, calibration=None) -> Layerwise | None:
     """The `Layerwise` of a conversion, None for the per-tensor path; UsageError where not possible.
 
     calibration: a bound `calibrate.Calibration` (Σ from real text) or None (Σ = I).
@@ -254,10 +247,10 @@ def layerwise_settings(config: dict[str, Any], heads: int, kv_heads: int, head_d
             raise UsageError("--calib has no effect with --method mean/first/random and --grouping contiguous; "
                              "use it with --method fit or --grouping similar")
         return None
-    check_layerwise(config, head_dim, method, grouping)
+    check_layerwise(family, config, head_dim, method, grouping)
     if new_kv > kv_heads:
         raise UsageError("--method fit and --grouping similar only reduce the K/V head count")
-    return Layerwise(grouping=grouping, interleaved=config.get("model_type") in INTERLEAVED_ROPE,
+    return Layerwise(grouping=grouping, interleaved=family.interleaved_rope,
                      sigma=calibration.sigma if calibration is not None else None)
 
 

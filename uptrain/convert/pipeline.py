@@ -87,8 +87,9 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         else:
             problem = f"{kv_heads} does not divide the {dims.kv_heads} K/V heads"
         raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
-    layerwise = layerwise_settings(cfg.to_dict() | source.config, dims.heads, dims.kv_heads, dims.head_dim,
-                                   kv_heads, method, grouping, calibration and calibration.bind(source.path))
+    layerwise = layerwise_settings(family, cfg.to_dict() | source.config, dims.heads, dims.kv_heads,
+                                   dims.head_dim, kv_heads, method, grouping,
+                                   calibration and calibration.bind(source.path))
     change = HeadChange(family, dims, kv_heads, method, float(getattr(cfg, "initializer_range", 0.02) or 0.02), seed,
                         layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)
@@ -154,8 +155,8 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
             for output in built:
                 if cancel.is_set():
                     return writer
-                info = output.sources[0]
-                if output.unchanged and info.offset is not None:
+                info = output.sources[0] if output.unchanged else None
+                if info is not None and info.offset is not None:
                     with phases("write built"), open(info.file, "rb") as f:
                         writer.copy(output.spec.stored(), f.fileno(), info.offset)
                     continue

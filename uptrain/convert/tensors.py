@@ -48,6 +48,9 @@ class OutputTensor:
 
     unchanged: the output is its one source, byte for byte (same name, shape and dtype), so a
     writer may copy the bytes without building a tensor.
+    sources may be empty where `make` takes from what an earlier output of the plan computed (the
+    layer-at-a-time conversions: only a layer's first output reads its tensors), so outputs are
+    built in plan order.
     """
 
     spec: TensorSpec

@@ -24,14 +24,15 @@ import torch
 from uptrain.cli import ArgParser, positive_int, prog_name, write_json
 from uptrain.convert import convert
 from uptrain.convert.calibrate import Calibration
+from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
 
-# (label, method, uses calibration)
+# (label, method, uses calibration): every method of the converter but random (at alpha = 0 a
+# random K/V start is no contender), and fit once more calibrated on --calib text
 VARIANTS: tuple[tuple[str, str, bool], ...] = (
-    ("mean", "mean", False), ("first", "first", False), ("fit", "fit", False), ("fit+calib", "fit", True))
-GROUPINGS = ("contiguous", "similar")
+    *((m, m, False) for m in METHODS if m != "random"), ("fit+calib", "fit", True))
 
 
 @dataclass

@@ -8,10 +8,10 @@
                q, k, v and output projections (weights and biases), no norms. Fused families
                (Phi-3 qkv_proj, Falcon query_key_value, GPTBigCode c_attn) train the fused matrix.
 
-The names are those of the converter's registry (uptrain/convert/architectures.py): every family
-it converts keeps attention in a module named self_attn, self_attention, attention or attn, with
-the projections named below. Frozen parameters get requires_grad=False, so the optimizer (which
-takes only parameters that need gradients) never sees them.
+The names are the model family's, from the converter's registry (`Family.modules` in
+uptrain/convert/architectures.py): the attention module (self_attn, self_attention, attn) and its
+projections. Frozen parameters get requires_grad=False, so the optimizer (which takes only
+parameters that need gradients) never sees them.
 """
 
 from __future__ import annotations
@@ -20,18 +20,10 @@ import re
 
 import torch
 
-from uptrain.convert.architectures import supported_model_types
+from uptrain.convert.architectures import Attention, attention_for, supported_model_types
 from uptrain.errors import UsageError
 
-_ATTN = r"(?:^|\.)(?:self_attn|self_attention|attention|attn)\."
-# q / k / v / output projections of every registry family: Llama-style q_proj..o_proj, Phi `dense`,
-# Phi-3 fused qkv_proj, Falcon query_key_value + dense, GPTBigCode c_attn + c_proj.
-_PROJ = r"(?:q_proj|k_proj|v_proj|o_proj|dense|qkv_proj|query_key_value|c_attn|c_proj)\.(?:weight|bias)$"
-TRAINABLE = {
-    "all": None,
-    "attention": re.compile(_ATTN),
-    "kv": re.compile(_ATTN + _PROJ),
-}
+TRAINABLE = ("all", "attention", "kv")
 
 
 def check_trainable(value: str) -> None:
@@ -47,9 +39,31 @@ def check_trainable_model(value: str, model_type: str, model: str) -> None:
                          f"cover model type {model_type!r} of {model}; use trainable=all")
 
 
-def is_trainable(name: str, value: str) -> bool:
-    """Whether parameter `name` is trained under `trainable=value`."""
-    pattern = TRAINABLE[value]
+def trainable_pattern(value: str, attention: Attention | None) -> re.Pattern[str] | None:
+    """What `trainable=value` trains, as a regex searched in parameter names; None: everything.
+
+    attention: the model family's names (`attention_for(model_type)`); needed unless value is "all".
+    """
+    if value == "all":
+        return None
+    if attention is None:
+        raise UsageError(f"trainable={value} selects parameters by the converter registry's names, which do not "
+                         f"cover this model; use trainable=all")
+    return re.compile(attention.parameters_pattern() if value == "attention" else attention.projections_pattern())
+
+
+def model_attention(model: torch.nn.Module) -> Attention | None:
+    """The registry's attention names for `model` (its text config's model type), None if unknown."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return attention_for(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+
+
+def is_trainable(name: str, value: str, attention: Attention | None) -> bool:
+    """Whether parameter `name` is trained under `trainable=value` in a model named like `attention`."""
+    pattern = trainable_pattern(value, attention)
     return pattern is None or bool(pattern.search(name))
 
 
@@ -67,8 +81,9 @@ def param_numel(param: torch.nn.Parameter) -> int:
 def apply_trainable(model: torch.nn.Module, value: str, *others: str) -> tuple[int, int]:
     """Freeze what neither `value` nor any of `others` trains; return (trainable, total) parameter counts."""
     trained = total = 0
+    patterns = [trainable_pattern(v, model_attention(model) if v != "all" else None) for v in (value, *others)]
     for name, param in model.named_parameters():
-        keep = any(is_trainable(name, v) for v in (value, *others))
+        keep = any(p is None or bool(p.search(name)) for p in patterns)
         param.requires_grad_(keep)
         total += param_numel(param)
         trained += param_numel(param) if keep else 0
@@ -106,8 +121,9 @@ def trainable_at(ranges: list[tuple[int, int, str]], step: int) -> str:
 def set_trainable(model: torch.nn.Module, value: str) -> None:
     """Let only `value`'s parameters get gradients (a stage switch; the optimizer keeps every
     parameter any stage trains and skips those without a gradient: no update, no weight decay)."""
+    pattern = trainable_pattern(value, model_attention(model) if value != "all" else None)
     for name, param in model.named_parameters():
-        param.requires_grad_(is_trainable(name, value))
+        param.requires_grad_(pattern is None or bool(pattern.search(name)))
 
 
 def stages_line(ranges: list[tuple[int, int, str]]) -> str:
