@@ -4,7 +4,9 @@ and which trainer settings hold under it (DeepSpeed changes when the update happ
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,13 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     )
     check_launch_honoured(os.environ, accelerator.distributed_type)
     return accelerator
+
+
+@contextlib.contextmanager
+def caches_filled_in_turn(accelerator: Accelerator) -> Iterator[None]:
+    """The main process first: it fills the datasets cache; the others then read it."""
+    with accelerator.main_process_first():
+        yield
 
 
 def check_trackers(log_with: list[str]) -> None:

@@ -23,6 +23,7 @@ from uptrain.data import DataSource, documents, split_documents
 from uptrain.data.blocks import first_blocks, require_blocks, token_blocks
 from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.train.config import OptimConfig, TrainConfig
+from uptrain.train.runtime import caches_filled_in_turn
 from uptrain.train.trainable import check_trainable_model, param_shape
 
 
@@ -192,8 +193,7 @@ def build_data(
     streaming data.val gives its first eval.max_batches x eval batch blocks.
     """
     d = config.data
-    # The main process reads and tokenizes first and fills the datasets cache; the others then read it.
-    with accelerator.main_process_first():
+    with caches_filled_in_turn(accelerator):
         train_docs = documents(d.train)
         if d.val is None:  # hold out whole documents of the train source (validated: not streaming)
             train_docs, val_docs = split_documents(train_docs, d.val_fraction, config.seed)
