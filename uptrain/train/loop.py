@@ -38,7 +38,7 @@ from uptrain.train.run_state import (
     RUN_FILE, check_run_dir, check_same_processes, checkpoint_state, clear_run_dir, load_checkpoint, mark_finished,
     save_checkpoint,
 )
-from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
+from uptrain.train.runtime import check_deepspeed, check_shared_run_dir, deepspeed_facts, make_accelerator
 from uptrain.train import shard
 from uptrain.train.setup import (
     ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
@@ -118,6 +118,7 @@ def setup_run(config: TrainConfig) -> Run:
             raise UsageError("trainable_stages runs in one process for now; use one process or a single trainable")
         ranges = stage_steps(config.trainable_stages, plan.tokens_per_step, plan.steps, config.trainable)
     config_dict = to_dict(config)
+    check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
     resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
     consumed = 0
     if resume_from is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +49,59 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
 
 @contextlib.contextmanager
 def caches_filled_in_turn(accelerator: Accelerator) -> Iterator[None]:
-    """The main process first: it fills the datasets cache; the others then read it."""
-    with accelerator.main_process_first():
+    """Run the body (work that fills a per-machine cache, e.g. tokenization into the datasets
+    cache) in three turns: the global main process; then the local main process of every other
+    machine; then all the others, who read what their machine's cache now holds.
+
+    A cache shared by all machines (HF_HOME on a shared disk) is so filled once, by process 0,
+    and a cache of one machine's own once, by that machine's local main: never two processes
+    filling one cache at the same time. (The global main alone first, as before, let all the
+    processes of every other machine fill their machine's cache at once.) Each turn ends with a
+    barrier of all processes.
+    """
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
         yield
+
+
+def check_shared_run_dir(accelerator: Accelerator, run_dir: Path) -> None:
+    """Refuse (UsageError, on every process) a run folder that some process does not share.
+
+    Several processes write into the run folder (each its RNG state into a checkpoint, the
+    global main the rest) and read what the global main wrote (teacher samples, checkpoints on
+    resume); a run_dir on a machine's local disk would silently give checkpoints without the
+    other machines' state. The global main writes a marker with a fresh name, every process
+    looks for it, and the marker (and any folder made for it) is removed again. Nothing to check
+    in one process.
+    """
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    marker, made = None, None
+    if accelerator.is_main_process:
+        made = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            marker = f".uptrain-shared-{uuid.uuid4().hex}"
+            (run_dir / marker).write_text("written by process 0 to check that every process sees run_dir\n")
+        except OSError as err:
+            marker = f"error: {err}"
+    marker = broadcast_object_list([marker])[0]
+    if marker.startswith("error: "):
+        raise UsageError(f"cannot write into run_dir {run_dir} ({marker.removeprefix('error: ')}); "
+                         "choose a run_dir on a writable filesystem every machine shares")
+    seen = gather_object([(accelerator.process_index, os.environ.get("GROUP_RANK", "?"), (run_dir / marker).is_file())])
+    accelerator.wait_for_everyone()  # all have looked before the marker goes
+    if accelerator.is_main_process:
+        (run_dir / marker).unlink(missing_ok=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)  # the run has not started: leave no folder behind
+    blind = [(rank, machine) for rank, machine, ok in seen if not ok]
+    if blind:
+        who = ", ".join(f"process {rank} (machine {machine})" for rank, machine in blind)
+        raise UsageError(f"run_dir {run_dir} is not shared by all machines: {who} cannot see what process 0 wrote "
+                         "there; put run_dir on a filesystem every machine mounts (checkpoints, teacher samples and "
+                         "the final model are written there by several processes; caches need not be shared)")
 
 
 def check_trackers(log_with: list[str]) -> None:
