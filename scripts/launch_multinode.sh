@@ -17,7 +17,7 @@
 # trainer checks it at start. SLURM: srun --nodes=N --ntasks-per-node=1 scripts/launch_multinode.sh ...
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
-  sed -n '2,18p' "$0" >&2
+  sed -n '2,17p' "$0" >&2
   exit 2
 fi
 NUM_MACHINES=${NUM_MACHINES:-${SLURM_NNODES:-1}}
