@@ -15,9 +15,18 @@ input (the identity without calibration).
 
 Mean pooling (with Q and O unchanged) is one point of each fitted family, so on these objectives
 the fit is never worse than mean pooling.
+
+Cost at real widths: Σ enters only through a whitening factor L (Σ = L Lᵀ, Cholesky), computed once
+per Σ tensor (cached, so once per layer when every group passes the layer's Σ) — an eigendecomposition
+of a 4097 x 4097 Σ takes minutes on a small CPU, a Cholesky well under a second. Any L with
+L Lᵀ = Σ gives the same fit (the whitened problems differ by an orthogonal map), so this is the
+symmetric-root formulation up to float64 round-off. All rotary planes of a group are fitted in one
+batched SVD; per head the work is a few [hd, D] x [D, D] products.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -38,14 +47,54 @@ def rotary_planes(head_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch
     return torch.arange(half), torch.arange(half, head_dim)
 
 
-def sigma_roots(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ^{1/2}, Σ^{-1/2}) of a symmetric PSD matrix, with a small relative ridge."""
+def _ridged(sigma: torch.Tensor) -> torch.Tensor:
+    """Σ symmetrised, float64, plus RIDGE times its mean diagonal on the diagonal."""
     s = sigma.double()
     s = (s + s.T) / 2
-    s = s + torch.eye(len(s), dtype=s.dtype) * RIDGE * s.diagonal().mean().clamp_min(1e-30)
-    vals, vecs = torch.linalg.eigh(s)
+    return s + torch.eye(len(s), dtype=s.dtype) * RIDGE * s.diagonal().mean().clamp_min(1e-30)
+
+
+def sigma_roots(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ^{1/2}, Σ^{-1/2}) of a symmetric PSD matrix, with a small relative ridge.
+
+    An eigendecomposition: slow at real widths (minutes for 4097 x 4097 on 2 cores). The fit uses
+    `sigma_factor` instead; anything invariant to the whitening's orthogonal part can too.
+    """
+    vals, vecs = torch.linalg.eigh(_ridged(sigma))
     vals = vals.clamp_min(vals.max() * 1e-12)
     return (vecs * vals.sqrt()) @ vecs.T, (vecs * vals.rsqrt()) @ vecs.T
+
+
+# One cached factor: (weak reference to the Σ tensor it was computed from, Σ's version counter, L).
+# transform_layer passes the same Σ tensor to every group's fit, so the factor is made once per layer;
+# the weak reference (checked by identity) and the version counter (bumped by any in-place write to Σ
+# or a view of it) make a stale hit impossible, and the entry is dropped when Σ is freed.
+_FACTOR: list = []
+
+
+def sigma_factor(sigma: torch.Tensor) -> torch.Tensor:
+    """Lower-triangular L [D, D], float64, with L Lᵀ = Σ + ridge (the ridge of `sigma_roots`).
+
+    Cached per Σ tensor (one entry). With the ridge every eigenvalue is at least RIDGE x mean
+    diagonal, far above float64 round-off for D < 10^6, so the Cholesky cannot fail on a PSD Σ
+    (and `sigma_roots`' eigenvalue clamp never binds: the two whiten the same matrix).
+    """
+    if _FACTOR:
+        ref, version, factor = _FACTOR[0]
+        if ref() is sigma and sigma._version == version:
+            return factor
+    factor = torch.linalg.cholesky(_ridged(sigma))
+
+    def drop(dead: weakref.ref) -> None:
+        if _FACTOR and _FACTOR[0][0] is dead:
+            _FACTOR.clear()
+    _FACTOR[:] = [(weakref.ref(sigma, drop), sigma._version, factor)]
+    return factor
+
+
+def _unwhiten(z: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """z L^{-1} for rows z [n, D] (real): maps a whitened row back to a weight row."""
+    return torch.linalg.solve_triangular(factor, z, upper=False, left=False)
 
 
 def fit_values(wv: torch.Tensor, wo: torch.Tensor, sigma: torch.Tensor
@@ -53,18 +102,25 @@ def fit_values(wv: torch.Tensor, wo: torch.Tensor, sigma: torch.Tensor
     """One shared value head for a group, and each head's refitted o_proj columns.
 
     wv: [g, hd, D] value rows per head (augmented); wo: [g, d, hd] o_proj columns per head.
-    Returns (wv_new [hd, D], wo_new [g, d, hd]), float64.
+    Returns (wv_new [hd, D], wo_new [g, d, hd]), float64. Each row of wv_new is signed so that its
+    largest-magnitude entry is positive (a singular vector's sign is otherwise LAPACK's choice).
     """
-    g, hd, _ = wv.shape
+    g, hd, dim = wv.shape
     wv, wo, sig = wv.double(), wo.double(), sigma.double()
-    root, inv_root = sigma_roots(sig)
-    stacked = torch.cat([wo[j] @ wv[j] for j in range(g)])  # [g*d, D]
-    _, _, vh = torch.linalg.svd(stacked @ root, full_matrices=False)
-    wv_new = vh[:hd] @ inv_root  # [hd, D]; wv_new Σ wv_newᵀ = I
+    factor = sigma_factor(sigma)
+    # The stacked value outputs [W_o,1 W_v,1; ...] L ([g*d, D]) are blockdiag(Q_j) [R_j W_v,j L] with
+    # W_o,j = Q_j R_j (orthonormal Q_j): same singular values and right singular vectors as the
+    # small [g*hd, D] stack, without forming (or decomposing) the [g*d, D] one.
+    _, r = torch.linalg.qr(wo)  # [g, min(d, hd), hd]
+    small = (r @ (wv @ factor)).reshape(-1, dim)
+    _, _, vh = torch.linalg.svd(small, full_matrices=False)
+    wv_new = _unwhiten(vh[:hd], factor)  # [hd, D]; wv_new Σ wv_newᵀ = I
+    pick = wv_new.abs().argmax(1, keepdim=True)
+    wv_new = wv_new * wv_new.gather(1, pick).sign()
     gram = wv_new @ sig @ wv_new.T
     cross = sig @ wv_new.T  # [D, hd]
     solve = torch.linalg.solve(gram, torch.eye(hd, dtype=gram.dtype))
-    wo_new = torch.stack([wo[j] @ wv[j] @ cross @ solve for j in range(g)])
+    wo_new = wo @ (wv @ cross @ solve)  # [g, d, hd]: least squares W_o,j W_v,j ≈ W'_o,j W'_v under Σ
     return wv_new, wo_new
 
 
@@ -75,25 +131,41 @@ def fit_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q:
     wk: [g, hd, Dk] key rows per head (augmented), sigma_k its Dk x Dk moment; wq: [g, hd, Dq]
     query rows (augmented with the q bias if any), sigma_q its moment (only used for the weights
     of the fit). Returns (wk_new [hd, Dk], wq_new [g, hd, Dq]), float64.
+
+    Objective, per plane p (k_j, q_j: head j's key and query in the plane as complex numbers,
+    x ~ Σ): min over a shared key k and scales s_j of Σ_j E|q_j|² · E|k_j(x) − s_j k(x)|², which is
+    the expected squared error of the plane's complex score q_j(x) conj(k_j(y)) with conj(s_j)
+    folded into q_j, for independent x, y (so at every relative position: RoPE multiplies both
+    scores by the same phase). Solved exactly by the top singular pair of the weighted, whitened
+    rows [sqrt(E|q_j|²) a_j L]_j. Each plane's key is turned so that its largest-magnitude entry
+    is real and positive (the pair's phase is otherwise LAPACK's choice; the scales turn with it).
     """
     first, second = planes
     wk, wq = wk.double(), wq.double()
-    root, inv_root = sigma_roots(sigma_k)
+    factor = sigma_factor(sigma_k)
     sig_q = sigma_q.double()
+    row_use = ((wq @ sig_q) * wq).sum(-1)  # [g, hd]: E q_row², every row at once
+    use = (row_use[:, first] + row_use[:, second]).T  # [P, g]: E|q_plane|² per plane and head
+    use = use.clamp_min(use.amax(1, keepdim=True).clamp_min(1e-30) * 1e-9)
+    white = wk @ factor  # [g, hd, Dk]
+    a = torch.complex(white[:, first], white[:, second]).transpose(0, 1)  # [P, g, Dk]: whitened complex key rows
+    weight = use.sqrt()
+    u, s, vh = torch.linalg.svd(weight[..., None].to(a.dtype) * a, full_matrices=False)  # batched over planes
+    z = s[:, :1] * vh[:, 0]  # [P, Dk]: whitened shared key per plane
+    n_planes = len(first)
+    back = _unwhiten(torch.cat([z.real, z.imag]), factor)
+    key = torch.complex(back[:n_planes], back[n_planes:])  # [P, Dk]
+    scale = u[:, :, 0] / weight  # [P, g]: k_h ≈ scale_h * key
+    phase = key.gather(1, key.abs().argmax(1, keepdim=True))  # [P, 1]
+    phase = phase / phase.abs().clamp_min(1e-300)
+    key, scale = key * phase.conj(), scale * phase
     wk_new = torch.zeros(wk.shape[1:], dtype=torch.float64)
+    wk_new[first], wk_new[second] = key.real, key.imag
+    # fold conj(s_h) into the query plane: Re(c q conj(k)) = Re(q conj(s_h k))
+    c = scale.conj().T[:, :, None]  # [g, P, 1]
+    cr, ci = c.real, c.imag
+    qr, qi = wq[:, first], wq[:, second]  # [g, P, Dq]
     wq_new = wq.clone()
-    for i, j in zip(first.tolist(), second.tolist()):
-        a = torch.complex(wk[:, i], wk[:, j])  # [g, Dk]: head h's key in this plane, as one complex row
-        qr, qi = wq[:, i], wq[:, j]  # [g, Dq]
-        use = ((qr @ sig_q) * qr).sum(1) + ((qi @ sig_q) * qi).sum(1)  # E|q_plane|², per head
-        use = use.clamp_min(use.max().clamp_min(1e-30) * 1e-9)
-        weighted = use.sqrt()[:, None].to(a.dtype) * (a @ root.to(a.dtype))
-        u, s, vh = torch.linalg.svd(weighted, full_matrices=False)
-        key = s[0] * vh[0] @ inv_root.to(a.dtype)  # [Dk] complex
-        scale = u[:, 0] / use.sqrt()  # [g]: k_h ≈ scale_h * key
-        wk_new[i], wk_new[j] = key.real, key.imag
-        c = scale.conj()  # fold conj(s_h) into the query plane: Re(c q conj(k)) = Re(q conj(s_h k))
-        cr, ci = c.real[:, None], c.imag[:, None]
-        wq_new[:, i] = cr * qr - ci * qi
-        wq_new[:, j] = ci * qr + cr * qi
+    wq_new[:, first] = cr * qr - ci * qi
+    wq_new[:, second] = ci * qr + cr * qi
     return wk_new, wq_new
