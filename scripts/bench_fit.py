@@ -9,10 +9,11 @@ uneven scales plus the constant column (what `--calib` gives: [hidden + 1]² wit
 without). Then transform_layer's group loop — `fit_keys` and `fit_values` per group, every group
 given the layer's Σ tensors — with this tree's fit.py, and `--old-groups` groups of the fit.py at
 git ref `--old-ref` (the per-plane implementation; 0 skips it; its layer time is extrapolated from
-the groups run). Prints wall time, the process's peak RSS over each part (VmHWM, reset through
-/proc/self/clear_refs before it) and, where both ran, the largest relative difference of their
-outputs on the groups both fitted (after the new fit's sign/phase convention). Random weights:
-the numbers are about time and memory, not quality.
+the groups run). Prints wall and CPU time (user + system, all threads: on a shared machine wall
+time mostly measures the other tenants), the process's peak RSS over each part (VmHWM, reset
+through /proc/self/clear_refs before it) and, where both ran, the largest relative difference of
+their outputs on the groups both fitted (after the new fit's sign/phase convention). Random
+weights: the numbers are about time and memory, not quality.
 """
 
 from __future__ import annotations
@@ -74,17 +75,23 @@ def layer(hidden: int, heads: int, hd: int, bias: bool, tokens: int, gen: torch.
 
 
 def run_groups(keys_fn, values_fn, wq, wk, wv, wo, sigma, groups: int, new_kv: int, planes):
-    """transform_layer's loop over the first `groups` of `new_kv` groups: (outputs, seconds per group)."""
+    """transform_layer's loop over the first `groups` of `new_kv` groups: (outputs, wall seconds per
+    group, CPU seconds per group: this process's user + system time, all threads)."""
     g = len(wq) // new_kv
-    out, times = [], []
+    out, walls, cpus = [], [], []
     for s in range(groups):
         grp = slice(s * g, (s + 1) * g)
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         k1, q1 = keys_fn(wk[grp], wq[grp], sigma, sigma, planes)
         v1, o1 = values_fn(wv[grp], wo[grp], sigma)
-        times.append(time.perf_counter() - start)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
         out.append((k1, q1, v1, o1))
-    return out, times
+    return out, walls, cpus
+
+
+def seconds(values: list[float]) -> str:
+    return ", ".join(f"{t:.1f}" for t in values)
 
 
 def canonical(k1, q1, v1, o1, planes):
@@ -121,19 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"inputs: Σ {tuple(sigma.shape)}, wq/wk/wv {tuple(wq.shape)}, wo {tuple(wo.shape)} "
           f"({time.perf_counter() - start:.1f} s), RSS {rss_mib('VmRSS'):.0f} MiB", flush=True)
     reset_peak()
-    new, times = run_groups(fit_keys, fit_values, wq, wk, wv, wo, sigma, args.kv_heads, args.kv_heads, planes)
-    print(f"new fit: layer {sum(times):.1f} s ({', '.join(f'{t:.1f}' for t in times)} s per group; "
-          f"the first includes Σ's Cholesky), peak RSS {rss_mib('VmHWM'):.0f} MiB, load average {os.getloadavg()}",
-          flush=True)
+    new, walls, cpus = run_groups(fit_keys, fit_values, wq, wk, wv, wo, sigma, args.kv_heads, args.kv_heads, planes)
+    print(f"new fit: layer {sum(walls):.1f} s wall, {sum(cpus):.1f} s CPU (per group, wall: {seconds(walls)}; "
+          f"CPU: {seconds(cpus)}; the first includes Σ's Cholesky), peak RSS {rss_mib('VmHWM'):.0f} MiB, "
+          f"load average {os.getloadavg()}", flush=True)
     if args.old_groups:
         old = old_fit_module(args.old_ref)
         reset_peak()
-        got, times = run_groups(old.fit_keys, old.fit_values, wq, wk, wv, wo, sigma, args.old_groups,
-                                args.kv_heads, planes)
-        per_group = sum(times) / len(times)
-        print(f"old fit ({args.old_ref}): {', '.join(f'{t:.1f}' for t in times)} s per group; layer "
-              f"{per_group * args.kv_heads:.0f} s extrapolated ({args.kv_heads} groups), peak RSS "
-              f"{rss_mib('VmHWM'):.0f} MiB, load average {os.getloadavg()}", flush=True)
+        got, walls, cpus = run_groups(old.fit_keys, old.fit_values, wq, wk, wv, wo, sigma, args.old_groups,
+                                      args.kv_heads, planes)
+        scale = args.kv_heads / len(walls)
+        print(f"old fit ({args.old_ref}): per group, wall: {seconds(walls)} s, CPU: {seconds(cpus)} s; layer "
+              f"{sum(walls) * scale:.0f} s wall, {sum(cpus) * scale:.0f} s CPU extrapolated ({args.kv_heads} groups), "
+              f"peak RSS {rss_mib('VmHWM'):.0f} MiB, load average {os.getloadavg()}", flush=True)
         worst = 0.0
         for a_all, b_all in zip(new, got):
             for name, a, b in zip("kqvo", a_all, canonical(*b_all, planes)):

@@ -50,8 +50,10 @@ def rotary_planes(head_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch
 def _ridged(sigma: torch.Tensor) -> torch.Tensor:
     """Σ symmetrised, float64, plus RIDGE times its mean diagonal on the diagonal."""
     s = sigma.double()
-    s = (s + s.T) / 2
-    return s + torch.eye(len(s), dtype=s.dtype) * RIDGE * s.diagonal().mean().clamp_min(1e-30)
+    s = s + s.T  # in place from here: at 4097 x 4097 every temporary is 134 MB
+    s.mul_(0.5)
+    s.diagonal().add_(RIDGE * s.diagonal().mean().clamp_min(1e-30))
+    return s
 
 
 def sigma_roots(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +119,8 @@ def fit_values(wv: torch.Tensor, wo: torch.Tensor, sigma: torch.Tensor
     wv_new = _unwhiten(vh[:hd], factor)  # [hd, D]; wv_new Σ wv_newᵀ = I
     pick = wv_new.abs().argmax(1, keepdim=True)
     wv_new = wv_new * wv_new.gather(1, pick).sign()
-    gram = wv_new @ sig @ wv_new.T
     cross = sig @ wv_new.T  # [D, hd]
+    gram = wv_new @ cross
     solve = torch.linalg.solve(gram, torch.eye(hd, dtype=gram.dtype))
     wo_new = wo @ (wv @ cross @ solve)  # [g, d, hd]: least squares W_o,j W_v,j ≈ W'_o,j W'_v under Σ
     return wv_new, wo_new
