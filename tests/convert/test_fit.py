@@ -508,3 +508,80 @@ def test_sigma_factor_is_made_once_per_sigma_and_never_stale(monkeypatch):
     torch.testing.assert_close(factor @ factor.T, sig, rtol=1e-5, atol=0)
     del sig, other, factor
     assert not fit._FACTOR  # freed with Σ
+
+
+# ------------------------------------------------------------------ partial rotary heads (not wired into convert)
+
+
+def _rope(v: torch.Tensor, pos: int, rotary_dims: int) -> torch.Tensor:
+    """Llama/Phi RoPE (rotate_half) on the first rotary_dims rows of v [..., hd], written out here."""
+    half = rotary_dims // 2
+    angle = pos * 10000.0 ** (-2 * torch.arange(half, dtype=torch.float64) / rotary_dims)
+    a, b = v[..., :half], v[..., half:rotary_dims]
+    return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos(), v[..., rotary_dims:]], -1)
+
+
+def _linear_score_error(wq, wk, q_new, k_new, sig_q, sig_k) -> torch.Tensor:
+    """Σ_j E(q_j(x)·k_j(y) − q'_j(x)·k'(y))² = Σ_j tr(Σ_q E_j Σ_k E_jᵀ), E_j = Q_jᵀ K_j − Q'_jᵀ K'."""
+    e = wq.mT @ wk - q_new.mT @ k_new
+    return (sig_q @ e @ sig_k @ e.mT).diagonal(dim1=-2, dim2=-1).sum()
+
+
+@pytest.mark.parametrize("heads", [32, 40, 64])
+def test_partial_rotary_fit_is_exact_on_planted_heads_at_every_position(heads):
+    """Groups whose keys differ per head by complex scales on the rotary planes and by any invertible
+    map on the other rows (queries compensated): the partial-rotary fit keeps every head's score at
+    every pair of positions under real partial RoPE; mean pooling does not."""
+    from uptrain.convert.fit import fit_keys_partial
+    gen = torch.Generator().manual_seed(heads)
+    for new_kv, hd, rotary_dims in ((4, 8, 4), (8, 8, 2), (2, 8, 6)):
+        d = 20
+        planes, passthrough = rotary_planes(rotary_dims, False), torch.arange(rotary_dims, hd)
+        g = heads // new_kv
+        sig = _random_spd(d, gen)
+        wq = torch.randn(heads, hd, d, generator=gen, dtype=torch.float64)
+        wk = torch.randn(new_kv, hd, d, generator=gen, dtype=torch.float64).repeat_interleave(g, 0)
+        for h in range(heads):  # a RoPE-safe variant of the group's key, built independently of fit.py
+            first, second = planes
+            s = torch.complex(*torch.randn(2, len(first), 1, generator=gen, dtype=torch.float64))
+            kc = torch.complex(wk[h, first], wk[h, second]) * s
+            wk[h, first], wk[h, second] = kc.real, kc.imag
+            mix = torch.randn(len(passthrough), len(passthrough), generator=gen, dtype=torch.float64) + 2 * torch.eye(len(passthrough))
+            wk[h, passthrough] = mix @ wk[h, passthrough]
+        x, y = torch.randn(d, 5, generator=gen, dtype=torch.float64), torch.randn(d, 5, generator=gen, dtype=torch.float64)
+        worst_fit = worst_mean = 0.0
+        for grp in (slice(s * g, (s + 1) * g) for s in range(new_kv)):
+            k1, q1 = fit_keys_partial(wk[grp], wq[grp], sig, sig, planes, passthrough)
+            for m, n in ((0, 0), (7, 3), (3, 7), (100, 1)):
+                want = _rope((wq[grp] @ x).mT, m, rotary_dims) @ _rope((wk[grp] @ y).mT, n, rotary_dims).mT
+                got = _rope((q1 @ x).mT, m, rotary_dims) @ _rope((k1 @ y).mT, n, rotary_dims).mT
+                mean = _rope((wq[grp] @ x).mT, m, rotary_dims) @ _rope((wk[grp].mean(0) @ y).mT, n, rotary_dims).mT
+                worst_fit = max(worst_fit, ((got - want).abs().max() / want.abs().max()).item())
+                worst_mean = max(worst_mean, ((mean - want).abs().max() / want.abs().max()).item())
+        print(f"{heads} heads, {new_kv} groups, rotary dims {rotary_dims}: fit {worst_fit:.1e}, mean {worst_mean:.1e}")
+        assert worst_fit < 1e-9, (new_kv, rotary_dims, worst_fit)
+        assert worst_mean > 0.1, (new_kv, rotary_dims, worst_mean)
+
+
+def test_linear_key_fit_minimises_its_documented_objective():
+    """fit_linear_keys on random inputs: its documented objective, measured on its outputs, equals
+    the closed-form minimum (Eckart–Young on the stacked query-weighted whitened keys, computed here
+    with other factorisations) and is never above mean pooling's."""
+    from uptrain.convert.fit import fit_linear_keys
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        g, n = int(torch.randint(2, 9, (), generator=gen)), int(torch.randint(1, 6, (), generator=gen))
+        d = int(torch.randint(n + 1, 30, (), generator=gen))
+        sig_q, sig_k = _random_spd(d, gen), (_random_spd(d, gen) if trial % 3 else torch.eye(d, dtype=torch.float64))
+        wk = torch.randn(g, n, d, generator=gen, dtype=torch.float64)
+        wq = torch.randn(g, n, d, generator=gen, dtype=torch.float64) * torch.rand(g, n, 1, generator=gen, dtype=torch.float64).mul(3).exp()
+        k1, q1 = fit_linear_keys(wk, wq, sig_k, sig_q)
+        fit = _linear_score_error(wq, wk, q1, k1, sig_q, sig_k)
+        mean = _linear_score_error(wq, wk, wq, wk.mean(0), sig_q, sig_k)
+        weight = torch.linalg.cholesky(wq @ sig_q @ wq.mT).mT  # Fᵀ F = E q qᵀ
+        rows = (weight @ wk @ torch.linalg.cholesky(sig_k)).reshape(-1, d)
+        sv = torch.linalg.svdvals(rows)
+        minimum = rows.pow(2).sum() - sv[:n].pow(2).sum()
+        case = dict(trial=trial, g=g, n=n, d=d, fit=fit.item(), minimum=minimum.item(), mean=mean.item())
+        assert abs(fit - minimum) <= 1e-6 * mean, case
+        assert fit <= mean * (1 + 1e-9), case

@@ -171,3 +171,50 @@ def fit_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q:
     wq_new[:, first] = cr * qr - ci * qi
     wq_new[:, second] = ci * qr + cr * qi
     return wk_new, wq_new
+
+
+def fit_linear_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One shared key block for a group's rows that RoPE leaves alone, with a linear map per head.
+
+    wk: [g, n, Dk] the non-rotary key rows per head (augmented), wq: [g, n, Dq] the matching query
+    rows. These dims enter the score as a plain dot product q_j(x)·k_j(y) at every position, so any
+    linear map can be moved between the two sides: k_j ≈ A_j k' with A_j [n, n], and A_jᵀ folded
+    into head j's query rows keeps q'_j(x)·k'(y) = q_j(x)ᵀ A_j k'(y). Objective: Σ_j E(q_j(x)ᵀ (k_j −
+    A_j k')(y))² for independent x ~ Σ_q, y ~ Σ_k = Σ_j ‖F_j (K_j − A_j K') L‖² with F_jᵀ F_j = E q_j q_jᵀ:
+    for a fixed row space of K' L the best A_j leaves the part of F_j K_j L outside it, so K' spans
+    the top n right singular directions of the stacked [F_j K_j L]_j (like `fit_values`) and A_j is
+    the Σ-weighted least squares K_j ≈ A_j K'. Mean pooling (A_j = I) is one point of the family.
+    Returns (wk_new [n, Dk], wq_new [g, n, Dq]), float64; rows of wk_new signed like `fit_values`.
+    """
+    g, n, dim = wk.shape
+    wk, wq, sig_k, sig_q = wk.double(), wq.double(), sigma_k.double(), sigma_q.double()
+    factor = sigma_factor(sigma_k)
+    moment = wq @ sig_q @ wq.mT  # [g, n, n]: E q_j q_jᵀ
+    vals, vecs = torch.linalg.eigh((moment + moment.mT) / 2)
+    weight = vals.clamp_min(0).sqrt()[..., None] * vecs.mT  # F_j [g, n, n], F_jᵀ F_j = E q_j q_jᵀ
+    _, _, vh = torch.linalg.svd((weight @ (wk @ factor)).reshape(-1, dim), full_matrices=False)
+    wk_new = _unwhiten(vh[:n], factor)  # [n, Dk]
+    wk_new = wk_new * wk_new.gather(1, wk_new.abs().argmax(1, keepdim=True)).sign()
+    cross = sig_k @ wk_new.T  # [Dk, n]
+    maps = wk @ cross @ torch.linalg.solve(wk_new @ cross, torch.eye(n, dtype=cross.dtype))  # A_j [g, n, n]
+    return wk_new, maps.mT @ wq
+
+
+def fit_keys_partial(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q: torch.Tensor,
+                     planes: tuple[torch.Tensor, torch.Tensor], passthrough: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fit_keys` for partial rotary heads: the rotary planes as in `fit_keys`, the dims RoPE leaves
+    alone (`passthrough`, indices into the head's rows) by `fit_linear_keys`.
+
+    wk: [g, hd, Dk]; wq: [g, hd, Dq]; planes: the (first, second) rows of each rotary plane (e.g.
+    `rotary_planes(rotary_dims, interleaved)` when RoPE covers the first rotary_dims rows, as in
+    Phi and StableLM); every row is in exactly one plane or in `passthrough`. The two parts of the
+    score add up, and each part's objective involves only its own rows, so fitting them apart is
+    the joint optimum. Returns (wk_new [hd, Dk], wq_new [g, hd, Dq]), float64.
+    """
+    wk_new, wq_new = fit_keys(wk, wq, sigma_k, sigma_q, planes)
+    if len(passthrough):
+        wk_new[passthrough], wq_new[:, passthrough] = fit_linear_keys(wk[:, passthrough], wq[:, passthrough],
+                                                                      sigma_k, sigma_q)
+    return wk_new, wq_new
