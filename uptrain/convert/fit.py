@@ -12,6 +12,8 @@ input (the identity without calibration).
   (k_j ≈ s_j k), weighted by how much head j's query uses the plane; conj(s_j) is folded into head
   j's query rows of that plane. A complex scale is a 2x2 rotation-scaling, which commutes with RoPE,
   so every attention score the fit keeps, it keeps at every position.
+- Partial rotary heads (`fit_keys_partial`, not used by the converter yet): the rotary planes as
+  above, the rows RoPE leaves alone by one shared block and a linear map per head (`fit_linear_keys`).
 
 Mean pooling (with Q and O unchanged) is one point of each fitted family, so on these objectives
 the fit is never worse than mean pooling.
@@ -30,7 +32,7 @@ import weakref
 
 import torch
 
-RIDGE = 1e-6  # relative ridge on Σ (times its mean diagonal): keeps Σ^{-1/2} finite
+RIDGE = 1e-6  # relative ridge on Σ (times its mean diagonal): keeps Σ^{-1/2} finite, L invertible
 
 
 def rotary_planes(head_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
