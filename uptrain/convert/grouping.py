@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from uptrain.convert.fit import sigma_roots
+from uptrain.convert.fit import sigma_factor
 
 
 def head_similarity(wk: torch.Tensor, wv: torch.Tensor, sigma: torch.Tensor, aligned: bool,
@@ -24,7 +24,7 @@ def head_similarity(wk: torch.Tensor, wv: torch.Tensor, sigma: torch.Tensor, ali
     wk, wv: [H, hd, D] key and value rows per head (augmented like `sigma`).
     aligned: similarity up to the transforms `fit` allows; else plain cosine.
     """
-    root, _ = sigma_roots(sigma)
+    root = sigma_factor(sigma)  # any L with L Lᵀ = Σ gives the same similarities; cached for the fit
     k = wk.double() @ root
     v = wv.double() @ root
     if aligned:
