@@ -72,8 +72,31 @@ def loss(model, tokenizer, s: dict) -> float:
     return evaluate(model, tokenize_texts(tokenizer, s["texts"]), s["max_length"], s["stride"]).loss
 
 
+def report(files: list[Path]) -> None:
+    """Markdown rows of the JSON lines written by --json. Rows run without a mean start take mean
+    pooling's loss from results/conversion-methods-*.json (the same evaluation)."""
+    means = {}
+    for name in ("stories", "reference"):
+        data = json.loads((REPO / f"results/conversion-methods-{name}.json").read_text())
+        means.update({(name, r["kv_heads"]): r["loss"] for r in data["rows"]
+                      if r["method"] == "mean" and r["grouping"] == "contiguous"})
+    print("| model | K/V | start | inputs | steps | lr | batch | start loss | refined loss | gap closed "
+          "(start -> refined) | held-out layer error before -> after | s/layer | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for f in files:
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            r["mean"] = r["mean"] if r["mean"] is not None else means[(r["model"], r["kv"])]
+            gap = (lambda x: "—" if r["mean"] is None else f"{(r['mean'] - x) / (r['mean'] - r['original']):.0%}")
+            errs = ", ".join(f"{x['error_before']:.2f}->{x['error_after']:.2f}" for x in r["layers"])
+            print(f"| {r['model']} | {r['kv']} | {r['start']} | {r['inputs']} | {r['steps']} | {r['lr']:g} | {r['batch']} "
+                  f"| {r['start_loss']:.3f} | {r['refined']:.3f} | {gap(r['start_loss'])} -> {gap(r['refined'])} "
+                  f"| {errs} | {r['seconds'] / len(r['layers']):.0f} | {r['load']:.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", type=Path, nargs="+", help="print the markdown rows of these --json files and exit")
     p.add_argument("--model", choices=["stories", "reference"], default="stories")
     p.add_argument("--kv", type=int, nargs="+", default=[2, 1])
     p.add_argument("--starts", nargs="+", default=["fit", "mean"], choices=["fit", "mean"],
@@ -91,6 +114,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, help="append the rows (JSON lines) to this file")
     args = p.parse_args()
+    if args.report:
+        return report(args.report)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="refine-study-") as tmp_name:
         tmp = Path(tmp_name)
