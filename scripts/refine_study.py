@@ -102,8 +102,8 @@ def main() -> None:
     p.add_argument("--starts", nargs="+", default=["fit", "mean"], choices=["fit", "mean"],
                    help="closed-form starts (fit: fit + calibration)")
     p.add_argument("--inputs", nargs="+", default=["original"], choices=["original", "converted"])
-    p.add_argument("--steps", type=int, nargs="+", default=[300])
-    p.add_argument("--lr", type=float, nargs="+", default=[3e-3])
+    p.add_argument("--steps", type=int, nargs="+", default=[1200])
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-2])
     p.add_argument("--batch", type=int, nargs="+", default=[4])
     p.add_argument("--holdout", type=float, default=0.125)
     p.add_argument("--patience", type=int, default=4)
