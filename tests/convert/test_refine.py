@@ -37,15 +37,15 @@ def _random_sequences(vocab: int, n: int = 12, length: int = 24, seed: int = 0) 
 def test_refine_lowers_layer_errors_and_held_out_loss_on_stories260k(tmp_path, one_torch_thread):
     """From the fit + calibration start (2 K/V heads): every layer's held-out attention-output error
     and the model's held-out loss on tinystories-valid go down."""
-    convert(str(EXAMPLE_MHA8), tmp_path / "fit", 2, "fit", calibration=Calibration(TRAIN_TXT, 2048))
+    convert(str(EXAMPLE_MHA8), tmp_path / "fit", 2, "fit", calibration=Calibration(TRAIN_TXT, 1024))
     original, converted = load(EXAMPLE_MHA8), load(tmp_path / "fit")
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
-    texts = [t for t in VALID_TXT.read_text().splitlines() if t.strip()][:6]
+    texts = [t for t in VALID_TXT.read_text().splitlines() if t.strip()][:4]
 
     def loss(model):
         return evaluate(model, tokenize_texts(tokenizer, texts), 512, 256).loss
     start = loss(converted)
-    results = refine_model(original, converted, _sequences(tokenizer, TRAIN_TXT, 2048), **FAST)
+    results = refine_model(original, converted, _sequences(tokenizer, TRAIN_TXT, 1536), **{**FAST, "steps": 30})
     after = loss(converted)
     print("errors", [(round(r.error_before, 4), round(r.error_after, 4)) for r in results], f"loss {start:.4f} -> {after:.4f}")
     assert len(results) == 5
