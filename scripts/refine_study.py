@@ -1,0 +1,166 @@
+"""Measure layer-wise reconstruction (`uptrain.convert.refine`) at alpha = 0; numbers for results/refine.md.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model stories --kv 2 1 [--json out.json]
+    PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model reference --kv 4 2 1
+    # a sweep: every combination of the listed values, from the fit+calib start
+    ... --starts fit --steps 100 300 --lr 1e-3 3e-3 1e-2 --batch 2 4 8 --inputs original converted
+
+Converts the checkpoint (mean; fit with calibration) into temporary folders, loads both models
+in memory (small models only), captures the original's attention inputs/outputs on the
+calibration sequences, refines each converted layer in turn, and scores the held-out loss with
+`uptrain.measure.eval.evaluate` (the same settings as results/conversion-methods.md):
+- stories: examples/stories260K-mha8, calibration = first N tokens of
+  examples/data/tinystories-train-sample.txt, scored on the lines of
+  examples/data/tinystories-valid-sample.txt (512-token windows, stride 256).
+- reference: results/paper/reference-mha8, calibration = first N tokens of the paper split's
+  train.jsonl, scored on the first 12 documents of its val.jsonl (256-token windows, stride 192).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "paper"))
+
+from uptrain.convert import convert  # noqa: E402
+from uptrain.convert.calibrate import Calibration, read_calibration_texts  # noqa: E402
+from uptrain.convert.refine import refine_model  # noqa: E402
+from uptrain.measure.eval import evaluate, load_model, tokenize_texts  # noqa: E402
+
+DOCS = 12
+
+
+def setup(name: str, tmp: Path) -> dict:
+    """Checkpoint, calibration file, held-out texts and windows of a study model."""
+    if name == "stories":
+        texts = [t for t in (REPO / "examples/data/tinystories-valid-sample.txt").read_text().splitlines() if t.strip()]
+        return dict(checkpoint=REPO / "examples/stories260K-mha8", calib=REPO / "examples/data/tinystories-train-sample.txt",
+                    texts=texts, max_length=512, stride=256)
+    from prepare import split_corpora  # scripts/paper/prepare.py: the paper reproduction's split
+    split_corpora(REPO.parent / "shared" / "data" / "corpora", tmp, val_share=0.05)
+    texts = [json.loads(line)["text"] for line in (tmp / "val.jsonl").read_text().splitlines()][:DOCS]
+    return dict(checkpoint=REPO / "results/paper/reference-mha8", calib=tmp / "train.jsonl",
+                texts=texts, max_length=256, stride=192)
+
+
+def calibration_sequences(tokenizer, path: Path, tokens: int, window: int) -> list[torch.Tensor]:
+    """The first `tokens` tokens of the calibration file (the tokens `Calibration` uses), in
+    pieces of at most `window` tokens, one document per piece at most."""
+    out, used = [], 0
+    for text in read_calibration_texts(path):
+        ids = tokenizer(text)["input_ids"][: tokens - used]
+        out += [torch.tensor(ids[b:b + window]) for b in range(0, len(ids), window) if len(ids[b:b + window]) > 1]
+        used += len(ids)
+        if used >= tokens:
+            break
+    return out
+
+
+def loss(model, tokenizer, s: dict) -> float:
+    return evaluate(model, tokenize_texts(tokenizer, s["texts"]), s["max_length"], s["stride"]).loss
+
+
+def report(files: list[Path]) -> None:
+    """Markdown rows of the JSON lines written by --json. Rows run without a mean start take mean
+    pooling's loss from results/conversion-methods-*.json (the same evaluation)."""
+    means = {}
+    for name in ("stories", "reference"):
+        data = json.loads((REPO / f"results/conversion-methods-{name}.json").read_text())
+        means.update({(name, r["kv_heads"]): r["loss"] for r in data["rows"]
+                      if r["method"] == "mean" and r["grouping"] == "contiguous"})
+    print("| model | K/V | start | inputs | steps | lr | batch | start loss | refined loss | gap closed "
+          "(start -> refined) | held-out layer error before -> after | s/layer | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for f in files:
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            r["mean"] = r["mean"] if r["mean"] is not None else means[(r["model"], r["kv"])]
+            gap = (lambda x: "—" if r["mean"] is None else f"{(r['mean'] - x) / (r['mean'] - r['original']):.0%}")
+            errs = ", ".join(f"{x['error_before']:.2f}->{x['error_after']:.2f}" for x in r["layers"])
+            print(f"| {r['model']} | {r['kv']} | {r['start']} | {r['inputs']} | {r['steps']} | {r['lr']:g} | {r['batch']} "
+                  f"| {r['start_loss']:.3f} | {r['refined']:.3f} | {gap(r['start_loss'])} -> {gap(r['refined'])} "
+                  f"| {errs} | {r['seconds'] / len(r['layers']):.0f} | {r['load']:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", type=Path, nargs="+", help="print the markdown rows of these --json files and exit")
+    p.add_argument("--model", choices=["stories", "reference"], default="stories")
+    p.add_argument("--kv", type=int, nargs="+", default=[2, 1])
+    p.add_argument("--starts", nargs="+", default=["fit", "mean"], choices=["fit", "mean"],
+                   help="closed-form starts (fit: fit + calibration)")
+    p.add_argument("--inputs", nargs="+", default=["original"], choices=["original", "converted"])
+    p.add_argument("--steps", type=int, nargs="+", default=[1200])
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-2])
+    p.add_argument("--batch", type=int, nargs="+", default=[4])
+    p.add_argument("--holdout", type=float, default=0.125)
+    p.add_argument("--patience", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--calib-tokens", type=int, default=16384)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path, help="append the rows (JSON lines) to this file")
+    args = p.parse_args()
+    if args.report:
+        return report(args.report)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="refine-study-") as tmp_name:
+        tmp = Path(tmp_name)
+        s = setup(args.model, tmp)
+        original, tokenizer = load_model(str(s["checkpoint"]), dtype="float32", device=args.device)
+        base = loss(original, tokenizer, s)
+        print(f"original {base:.4f}", flush=True)
+        window = min(2048, original.config.max_position_embeddings)
+        seqs = calibration_sequences(tokenizer, s["calib"], args.calib_tokens, window)
+        print(f"calibration: {len(seqs)} sequences, {sum(len(x) for x in seqs)} tokens", flush=True)
+        calibration = Calibration(s["calib"], args.calib_tokens, args.device)
+        for kv in args.kv:
+            starts = {}
+            for method in args.starts:
+                out = tmp / f"kv{kv}-{method}"
+                convert(str(s["checkpoint"]), out, kv, method, calibration=calibration if method == "fit" else None)
+                starts[method] = out
+            mean_loss = None
+            if "mean" in starts:
+                mean_loss = loss(load_model(str(starts["mean"]), "float32", args.device)[0], tokenizer, s)
+            for method, folder in starts.items():
+                start_loss = loss(load_model(str(folder), "float32", args.device)[0], tokenizer, s)
+                print(f"kv {kv} {method}: {start_loss:.4f}", flush=True)
+                for inputs, steps, lr, batch in itertools.product(args.inputs, args.steps, args.lr, args.batch):
+                    converted = load_model(str(folder), "float32", args.device)[0]
+                    t0 = time.perf_counter()
+                    results = refine_model(original, converted, seqs, inputs=inputs, steps=steps, lr=lr, batch=batch,
+                                           holdout_fraction=args.holdout, patience=args.patience,
+                                           eval_every=args.eval_every, seed=args.seed,
+                                           log=lambda m: print("  " + m, flush=True))
+                    seconds = time.perf_counter() - t0
+                    refined = loss(converted, tokenizer, s)
+                    row = dict(model=args.model, kv=kv, start=method, inputs=inputs, steps=steps, lr=lr, batch=batch,
+                               holdout=args.holdout, patience=args.patience, eval_every=args.eval_every,
+                               calib_tokens=args.calib_tokens, seed=args.seed, original=base, mean=mean_loss,
+                               start_loss=start_loss, refined=refined, seconds=round(seconds, 1),
+                               layers=[r.as_dict() for r in results], load=os.getloadavg()[0],
+                               machine=f"{os.cpu_count()} cores {platform.machine()}", torch=torch.__version__)
+                    gap = "" if mean_loss is None else f" gap closed {(mean_loss - refined) / (mean_loss - base):.1%}"
+                    print(f"kv {kv} {method}+refine inputs={inputs} steps={steps} lr={lr} batch={batch}: "
+                          f"{start_loss:.4f} -> {refined:.4f}{gap} ({seconds:.0f}s, load {row['load']:.1f})", flush=True)
+                    if args.json:
+                        with open(args.json, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
