@@ -267,8 +267,10 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
         # Under DeepSpeed the step already ran inside backward; its norm is known only with clipping.
         max_norm = config.optim.grad_clip or math.inf
         grad_norm = clip(model.parameters(), max_norm) if not deepspeed or config.optim.grad_clip > 0 else None
-        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):  # e.g. DeepSpeed's float
             grad_norm = torch.tensor(float(grad_norm))
+        elif hasattr(grad_norm, "full_tensor"):  # accelerate's FSDP2 may return the norm as a DTensor
+            grad_norm = grad_norm.full_tensor()
         # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
         health.record(step, accelerator.reduce(sums, reduction="sum") / global_tokens, grad_norm,
                       check_norm=accelerator.scaler is None)
