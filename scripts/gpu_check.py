@@ -2,7 +2,7 @@
 random weights, converted to 8 K/V heads and uptrained with bf16 + torch.compile three ways,
 printing tokens/s and MFU for each and writing them to a JSON file.
 
-    bash scripts/gpu_check.sh                  # on a GPU machine: full shape, ~4-5 min on an H100/H200
+    bash scripts/gpu_check.sh                  # on a GPU machine: full shape, ~5 min on an H100/H200 (estimate)
     GPU_CHECK_TINY=1 bash scripts/gpu_check.sh  # tiny shape (automatic without CUDA), ~1 min on CPU
 
 Runs (each a fresh process, as a user launches it; configs/demo-cpu.yaml + overrides):
@@ -53,7 +53,7 @@ TINY_SHAPE = {**FULL_SHAPE, "hidden_size": 64, "intermediate_size": 172, "num_hi
               "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "vocab_size": 512,
               "max_position_embeddings": 512}
 # (steps, warm-up steps excluded from the speed, seq_len, micro batch, log.every, K/V heads after)
-FULL_RUN = dict(steps=200, warmup=20, seq_len=2048, micro_batch=4, log_every=10, kv_heads=8)
+FULL_RUN = dict(steps=150, warmup=20, seq_len=2048, micro_batch=4, log_every=10, kv_heads=8)
 TINY_RUN = dict(steps=12, warmup=4, seq_len=64, micro_batch=2, log_every=4, kv_heads=2)
 
 
@@ -124,7 +124,7 @@ def main() -> int:
         reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     n_params = sum(p.numel() for p in reference.parameters())
     per_token = model_flops_per_token(reference, r["seq_len"])
-    print(f"model: {n_params / 1e9:.3f}B parameters, {r['kv_heads']} K/V heads, {per_token / 1e9:.2f} GFLOP "
+    print(f"model: {n_params:,} parameters, {r['kv_heads']} K/V heads, {per_token / 1e9:.4g} GFLOP "
           f"per token (made and converted in {time.time() - t0:.0f} s)", flush=True)
 
     launch = [sys.executable, "-m", "accelerate.commands.launch"]
