@@ -63,7 +63,8 @@ class StepHealth:
             finite &= torch.isfinite(self.current[3])
         new = ~finite & (self.first_bad < 0)
         self.first_bad = torch.where(new, torch.full_like(self.first_bad, step), self.first_bad)
-        self.bad = torch.where(new, self.current[[0, 3]], self.bad)
+        # stack, not current[[0, 3]]: a list index would be copied from the host (a sync on a GPU)
+        self.bad = torch.where(new, torch.stack([self.current[0], self.current[3]]), self.bad)
 
     def read(self) -> StepStats:
         """One host transfer: the last recorded step's numbers and the first bad step."""
