@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from uptrain.data import DataSource, documents
 from uptrain.data.blocks import token_blocks
 from uptrain.train.losses import lm_loss_sum
+from uptrain.train.mfu import mfu, model_flops_per_token
 from uptrain.train import train
 from uptrain.train.config import load_config
 from uptrain.train.report import MetricsLog
@@ -155,7 +156,9 @@ def main() -> None:
               f"first step recorded after {marks['first_step']:.1f} s, 2-step run {marks['total']:.1f} s")
         if args.startup_only:
             return
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
+        reference = AutoModelForCausalLM.from_pretrained(model_path)
+        n_params = sum(p.numel() for p in reference.parameters())
+        per_token = model_flops_per_token(reference, args.seq_len)  # uptrain/train/mfu.py: 6N + attention
         hand, ours = [], []
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
             hand.append(hand_loop(args, model_path))
@@ -167,13 +170,8 @@ def main() -> None:
           f"{args.seq_len} x {args.micro_batch} x {args.grad_accum} | {h:,.0f} | {o:,.0f} | {(h - o) / h:+.1%} |")
     print(f"runs (tok/s): hand {[round(x) for x in hand]}, trainer {[round(x) for x in ours]}; threads {torch.get_num_threads()}")
     if args.peak_tflops:
-        # Training FLOPs per token: 6 x params (matmuls, forward + backward) + attention scores.
-        config = AutoConfig.from_pretrained(args.model)
-        layers = args.layers if args.hidden else config.num_hidden_layers
-        attention = 12 * layers * (args.hidden or config.hidden_size) * args.seq_len
-        per_token = 6 * n_params + attention
         for name, rate in (("hand loop", h), ("trainer", o)):
-            print(f"MFU {name}: {rate * per_token / (args.peak_tflops * 1e12):.1%} "
+            print(f"MFU {name}: {mfu(rate, per_token, args.peak_tflops):.1%} "
                   f"({rate * per_token / 1e12:.0f} TFLOP/s of {args.peak_tflops:.0f})")
 
 

@@ -113,7 +113,8 @@ class CheckpointConfig:
 class LogConfig:
     """Metrics go to run_dir/metrics.jsonl and to accelerate trackers named in `log_with`."""
 
-    every: int = 1  # steps between metric records
+    every: int = 1  # steps between metric records; losses are read back from the device only then (and
+    # before evaluations and checkpoints): on a GPU, more than 1 spares a host sync per step
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb
     project: str = "uptrain"  # tracker project (W&B project / TensorBoard subfolder)
     progress_bar: bool = True
@@ -141,13 +142,15 @@ class TrainConfig:
     overwrite: bool = False  # allow replacing another run's state in run_dir
     seed: int = 0
     mixed_precision: str | None = None  # no, bf16, fp16; None: the launcher's (accelerate config/flag), else no
-    gradient_checkpointing: bool = False
-    compile: bool = False  # torch.compile the model
+    gradient_checkpointing: bool = False  # recompute activations in backward (shard=fsdp2: torch's
+    # checkpoint_wrapper on each decoder layer, before fully_shard)
+    compile: bool = False  # torch.compile the model (shard=fsdp2: each decoder layer, before fully_shard)
     trainable: str = "all"  # all, attention (every attention-module parameter) or kv (q/k/v/o projections);
     # the rest is frozen (see uptrain/train/trainable.py)
     trainable_stages: list[TrainableStage] = field(default_factory=list)  # run these first, in order (e.g.
     # [{trainable: kv, tokens: 1e6}]), then `trainable` for the rest of the budget
-    shard: str | None = None  # fsdp2: the trainer fully_shards the model itself (multi-process, also CPU/gloo)
+    shard: str | None = None  # fsdp2: the trainer fully_shards the model itself (one or more processes, also
+    # CPU/gloo; mixed_precision bf16: bf16 compute, fp32 gradient reduction and master weights)
     threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig, to_dict
+from uptrain.train.health import StepHealth, TrainingDiverged, check_finite  # noqa: F401 (TrainingDiverged: public here)
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
@@ -49,11 +50,6 @@ from uptrain.errors import UsageError
 from uptrain.train.trainable import (apply_trainable, param_numel, set_trainable, stage_steps, stages_line,
                                      trainable_at, trainable_line)
 from uptrain.train.validate import validate_blocks
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm became NaN or infinite; the run stops before the update and keeps
-    its last good checkpoint."""
 
 
 @dataclass
@@ -111,6 +107,8 @@ def setup_run(config: TrainConfig) -> Run:
     check_deepspeed(config, deepspeed_facts(accelerator))
     if config.shard == "fsdp2":
         shard.check_fsdp2(config, accelerator)
+    if config.compile:
+        shard.check_compile(accelerator.device.type)
     plan = plan_run(config, world)
     ranges = []
     if config.trainable_stages:
@@ -147,7 +145,7 @@ def setup_run(config: TrainConfig) -> Run:
     # --- model, optional teacher, optimizer, loader ---
     model, teacher = _load_models(config, folders, accelerator)
     if config.shard == "fsdp2":  # sharded by the trainer, before the optimizer sees the parameters
-        model = shard.shard_model(model, accelerator)
+        model = shard.shard_model(model, accelerator, config.gradient_checkpointing, config.compile)
     optimizer = make_optimizer(model, config.optim)
     # Blocks are already in run order; accelerate gives process r every world-th batch, so one
     # step sees the same global batch whatever the number of processes. A stream (an
@@ -181,12 +179,13 @@ def _load_models(config: TrainConfig, folders: ModelFolders,
     # frozen parameters: requires_grad False, not in the optimizer
     apply_trainable(model, config.trainable, *(s.trainable for s in config.trainable_stages))
     model.train()  # from_pretrained returns eval mode: no dropout (a resumed run skips the step-0 eval)
-    if config.gradient_checkpointing:
+    sharded = config.shard == "fsdp2"  # shard_model applies checkpointing and compile per decoder layer
+    if config.gradient_checkpointing and not sharded:
         # Recompute activations in backward: less memory, more compute (renamed in transformers 5.x).
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
         model.config.use_cache = False
-    if config.compile:
+    if config.compile and not sharded:
         model = torch.compile(model)
     teacher = None
     if folders.teacher is not None:
@@ -223,7 +222,11 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
 
 
 def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
-    """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record."""
+    """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record.
+
+    Losses stay on the device between sync points (uptrain/train/health.py): every log.every
+    steps, before each evaluation and checkpoint, and at the last step.
+    """
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
     world, accum = accelerator.num_processes, config.batch.grad_accum
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -232,8 +235,10 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
     bar = tqdm(total=plan.steps, initial=start_step,
                disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
+    health, eta_shown = StepHealth(accelerator.device), False
     current = None
     for step in range(start_step, plan.steps):
+        done = step + 1
         stage = trainable_at(run.trainable_ranges, step) if run.trainable_ranges else None
         if stage != current:  # a new stage (or a resume inside one)
             current = stage
@@ -244,9 +249,10 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
         window = [next(batches)["input_ids"] for _ in range(accum)]  # each [micro_batch, seq_len]
         # Normalise by the target tokens of the whole step on all processes (sum / global count),
         # not by a mean of per-batch means. All blocks are full now, but the rule stays right
-        # if padding or masking ever appears.
-        local_tokens = torch.tensor(float(sum(ids[:, 1:].numel() for ids in window)), device=accelerator.device)
-        global_tokens = accelerator.reduce(local_tokens, reduction="sum").item()
+        # if padding or masking ever appears. The count stays on the device (no host sync).
+        # torch.full is a fill kernel: unlike torch.tensor(x, device=cuda) no copy that waits for the GPU.
+        local_tokens = torch.full((), float(sum(ids[:, 1:].numel() for ids in window)), device=accelerator.device)
+        global_tokens = accelerator.reduce(local_tokens, reduction="sum")
         sums = torch.zeros(3, device=accelerator.device)  # [loss, lm, kd] summed over tokens
         for i, ids in enumerate(window):
             # Gradients are all-reduced only on the last micro batch of the step.
@@ -262,54 +268,49 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
         # Under DeepSpeed the step already ran inside backward; its norm is known only with clipping.
         max_norm = config.optim.grad_clip or math.inf
         grad_norm = clip(model.parameters(), max_norm) if not deepspeed or config.optim.grad_clip > 0 else None
-        # One host sync per step for loss and norm together (the loss is shown every step anyway).
-        stats = accelerator.reduce(sums, reduction="sum") / global_tokens
-        if isinstance(grad_norm, torch.Tensor):
-            stats = torch.cat([stats, grad_norm.detach().float().reshape(1).to(stats.device)])
-        loss, lm, kd, *norm = stats.tolist()
-        grad_norm = norm[0] if norm else None if grad_norm is None else float(grad_norm)
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):  # e.g. DeepSpeed's float
+            grad_norm = torch.tensor(float(grad_norm))
+        elif hasattr(grad_norm, "full_tensor"):  # accelerate's FSDP2 may return the norm as a DTensor
+            grad_norm = grad_norm.full_tensor()
         # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
-        _check_finite(run, step, loss, None if accelerator.scaler is not None else grad_norm, deepspeed)
+        health.record(step, accelerator.reduce(sums, reduction="sum") / global_tokens, grad_norm,
+                      check_norm=accelerator.scaler is None)
+        log_now = done % config.log.every == 0 or done == plan.steps
+        eval_now = bool(config.eval.every) and done % config.eval.every == 0 and done != plan.steps
+        save_now = bool(config.checkpoint.every) and done % config.checkpoint.every == 0
+        stats = None
+        if log_now or eval_now or save_now:  # a sync point: checked before the update
+            stats = health.read()
+            check_finite(stats, step, run.run_dir, updated=False, deepspeed=deepspeed)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
         tokens_seen += plan.tokens_per_step
-        tok_s = tokens_seen / (time.time() - t_start)
-        _show_progress(bar, done, start_step, plan, loss, lr, tok_s, accelerator.is_main_process)
-        if done % config.log.every == 0 or done == plan.steps:
-            record = {"step": done, "loss": loss, "lm_loss": lm, "lr": lr, "tokens": done * plan.tokens_per_step, "tok_per_s": tok_s}
+        bar.update(1)
+        if stats is not None:
+            tok_s = tokens_seen / (time.time() - t_start)  # after a host sync: the device work is done
+            bar.set_postfix(loss=f"{stats.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+            if not eta_shown and done - start_step >= 3 and accelerator.is_main_process:
+                eta_shown = True  # the speed has settled: at the first sync point 3 or more steps in
+                bar.write(f"ETA: {(plan.steps - done) * plan.tokens_per_step / tok_s / 60:.1f} min "
+                          f"at {tok_s:,.0f} tokens/s")
+        if log_now:
+            record = {"step": done, "loss": stats.loss, "lm_loss": stats.lm, "lr": lr,
+                      "tokens": done * plan.tokens_per_step, "tok_per_s": tok_s}
             if run.teacher is not None:
-                record["kd_loss"] = kd
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
+                record["kd_loss"] = stats.kd
+            if stats.grad_norm is not None:
+                record["grad_norm"] = stats.grad_norm
             run.log(record)
-        if config.eval.every and done % config.eval.every == 0 and done != plan.steps:
+        if eval_now:
             run.log({"step": done, **run.validate()})
-        if config.checkpoint.every and done % config.checkpoint.every == 0:
+        if save_now:
             state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
                      "processes": world}
             save_checkpoint(accelerator, run.run_dir, done, state, config.checkpoint.keep,
                             _sharded_io(run, shard.save_sharded))
     bar.close()
     return record
-
-
-def _check_finite(run: Run, step: int, loss: float, grad_norm: float | None, deepspeed: bool) -> None:
-    """Raise TrainingDiverged when the loss or the gradient norm of step `step` (0-based) is NaN/inf.
-
-    Called before optimizer.step(), so the weights and the last checkpoint stay good (a finite
-    loss can still come with NaN/inf gradients, e.g. an overflow in backward; grad_norm None:
-    not checked, e.g. under fp16's loss scaler, which skips such steps). DeepSpeed has
-    already stepped inside backward(): there the weights are bad, the checkpoint is not.
-    """
-    when = "after the update (DeepSpeed steps inside backward)" if deepspeed else "before the update"
-    kept = f"last good checkpoint kept in {run.run_dir / 'checkpoints'}"
-    if not math.isfinite(loss):
-        raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped {when}, {kept}")
-    if grad_norm is not None and not math.isfinite(grad_norm):
-        raise TrainingDiverged(f"gradient norm is {grad_norm} at step {step + 1} (the loss, {loss:.4f}, is finite); "
-                               f"stopped {when}, {kept}")
 
 
 def _sharded_io(run: Run, io):
@@ -330,15 +331,6 @@ def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch
     d = run.config.distill
     kd = kd_loss_sum(logits, teacher_logits, d.temperature)
     return d.alpha_kd * kd + (1 - d.alpha_kd) * lm, lm, kd
-
-
-def _show_progress(bar: tqdm, done: int, start_step: int, plan: RunPlan, loss: float, lr: float, tok_s: float,
-                   main: bool) -> None:
-    """Progress bar postfix, and an ETA line once the speed has settled (3 steps in)."""
-    bar.update(1)
-    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-    if done - start_step == 3 and main:
-        bar.write(f"ETA: {(plan.steps - done) * plan.tokens_per_step / tok_s / 60:.1f} min at {tok_s:,.0f} tokens/s")
 
 
 def finish_run(run: Run, last_record: dict) -> dict:

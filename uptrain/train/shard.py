@@ -10,6 +10,14 @@ data loader. The loop is otherwise the same: FSDP2 averages gradients over proce
 replaces no_sync, clipping is torch's (DTensor-aware), checkpoints of weights and optimizer are
 torch.distributed.checkpoint folders (each rank writes its shards; RNG and data position stay
 accelerate's), and the final model is gathered into a full state dict for save_pretrained.
+
+GPU-ready options, applied per decoder layer in torchtitan's order (activation checkpointing,
+then compile, then fully_shard): `mixed_precision: bf16` gives each fully_shard a
+MixedPrecisionPolicy (parameters cast to bf16 for forward and backward, gradients reduced in
+fp32, the sharded fp32 parameters stay the master weights the optimizer updates);
+`gradient_checkpointing: true` wraps each layer in torch's non-reentrant checkpoint_wrapper;
+`compile: true` compiles each layer (nn.Module.compile, in place: parameter names unchanged).
+One process is allowed too (a one-process group is created), e.g. to measure on one GPU.
 """
 
 from __future__ import annotations
@@ -29,15 +37,33 @@ SHARDED_STATE = "sharded_state"  # the torch.distributed.checkpoint folder insid
 def check_fsdp2(config, accelerator: Accelerator) -> None:
     """Refuse the launches and settings that `shard: fsdp2` does not cover (UsageError)."""
     kind = accelerator.distributed_type
-    if kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        raise UsageError(f"shard=fsdp2 needs a plain multi-process launch (accelerate launch --multi_gpu "
-                         f"--num_processes N, or torchrun), got {kind.value}; for accelerate's own FSDP/DeepSpeed "
-                         "leave shard unset")
-    if accelerator.mixed_precision != "no":
-        raise UsageError("shard=fsdp2 trains in fp32 only (mixed precision policies are not wired); "
-                         "set mixed_precision=no")
-    if config.compile:
-        raise UsageError("shard=fsdp2 with compile=true is not supported; set compile=false")
+    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise UsageError(f"shard=fsdp2 needs one process or a plain multi-process launch (accelerate launch "
+                         f"--multi_gpu --num_processes N, or torchrun), got {kind.value}; for accelerate's own "
+                         "FSDP/DeepSpeed leave shard unset")
+    if accelerator.mixed_precision not in ("no", "bf16"):
+        raise UsageError(f"shard=fsdp2 takes mixed_precision no or bf16, got {accelerator.mixed_precision} (fp16 "
+                         "would need a sharded loss scaler); use bf16")
+
+
+def check_compile(device_type: str) -> None:
+    """Refuse `compile=true` (UsageError) where torch.compile's inductor cannot build kernels:
+    on CPU it needs a C++ compiler, on a GPU Triton; otherwise the run fails inside its first step."""
+    if device_type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception as err:  # inductor's InvalidCxxCompiler and the like
+            raise UsageError(f"compile=true needs a C++ compiler for torch.compile on CPU and none works "
+                             f"({type(err).__name__}; inductor tries $CXX, else g++); install g++ or set "
+                             "compile=false") from None
+    elif device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise UsageError("compile=true needs Triton for torch.compile on a GPU and it is not usable here; "
+                             "pip install triton (it comes with CUDA builds of torch) or set compile=false")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -49,22 +75,61 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_model(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
-    """`fully_shard` each decoder layer, then the root (embeddings, final norm, head) over all processes."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model: torch.nn.Module, accelerator: Accelerator, checkpointing: bool = False,
+                compile: bool = False) -> torch.nn.Module:
+    """`fully_shard` each decoder layer, then the root (embeddings, final norm, head) over all processes.
 
+    `model`: fp32 (the master weights). Under accelerate's mixed_precision bf16 each fully_shard
+    gets a bf16-compute / fp32-reduce policy; `checkpointing` and `compile` wrap each decoder
+    layer before it is sharded.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():  # one process (no launcher): a one-process group to shard over
+        backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     model.to(accelerator.device)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    bf16 = accelerator.mixed_precision == "bf16"
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
     layers = decoder_layers(model)
+    notes = []
+    if checkpointing:
+        layers = [_checkpointed(model, layer) for layer in layers]
+        notes.append(f"activation checkpointing on {len(layers)} decoder layers")
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        if compile:
+            layer.compile()  # in place: the module (and its parameter names) stays as it is
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile:
+        notes.append(f"torch.compile per decoder layer ({len(layers)})")
+    if bf16:
+        notes.append("mixed precision bf16 (parameters and compute bf16; gradients reduced and master weights fp32)")
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     accelerator.print(f"shard: fsdp2, fully_shard on {len(layers)} decoder layers + root over "
-                      f"{accelerator.num_processes} processes; rank 0 holds {local:,} of {total:,} parameters")
+                      f"{accelerator.num_processes} processes; rank 0 holds {local:,} of {total:,} parameters"
+                      + "".join(f"; {n}" for n in notes))
     return model
+
+
+def _checkpointed(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:
+    """Replace `layer` inside `model` by torch's non-reentrant checkpoint_wrapper of it (its
+    activations are recomputed in backward); return the wrapper. State-dict names are unchanged:
+    torch.distributed.checkpoint's state-dict functions drop the wrapper's prefix."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if child is layer:
+                wrapped = checkpoint_wrapper(layer)
+                setattr(module, child_name, wrapped)
+                return wrapped
+    raise UsageError(f"shard=fsdp2: decoder layer {type(layer).__name__} not found in the model")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -1,0 +1,38 @@
+"""scripts/gpu_check.sh in its tiny CPU mode: the same three runs as on a GPU (bf16 + compile on
+one process, shard=fsdp2 over one process, accelerate's FSDP2 config), so the script does not rot
+while no GPU is at hand. On CPU accelerate drops FSDP: the third run must be refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO
+
+
+def test_gpu_check_tiny_mode_runs_every_path(tmp_path):
+    env = {**os.environ, "GPU_CHECK_TINY": "1", "GPU_CHECK_WORK": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable,
+           "GPU_CHECK_PEAK_TFLOPS": "0.5", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    one, fsdp2, accelerate_fsdp2 = summary["runs"]
+    assert "the launch asks for FSDP" in accelerate_fsdp2["refused_on_cpu"]
+    # 6N + attention FLOPs, recomputed here: the tiny shape ties its embeddings (N = all parameters).
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa2")
+    assert model.config.num_key_value_heads == 2  # converted from 8 K/V heads
+    n = sum(p.numel() for p in model.parameters())
+    assert summary["flops_per_token"] == 6 * n + 12 * 2 * (8 * 8) * 64
+    for result in (one, fsdp2):
+        assert result["returncode"] == 0 and result["tokens_per_s"] > 0
+        assert result["mfu"] == pytest.approx(result["tokens_per_s"] * summary["flops_per_token"] / 0.5e12, rel=1e-3)
+    out = proc.stdout
+    assert "tokens/s" in out and "MFU" in out and "refused on CPU as expected" in out
+    log = (tmp_path / "run2.log").read_text()
+    assert "torch.compile per decoder layer (2)" in log and "mixed precision bf16" in log, log[-2000:]
