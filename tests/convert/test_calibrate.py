@@ -88,3 +88,13 @@ def test_calibration_steers_the_fit_to_the_planted_inputs(tmp_path, one_torch_th
     plain, calibrated = attention_error(src, tmp_path / "fit", seqs), attention_error(src, tmp_path / "calib", seqs)
     print(f"relative attention-output error: fit {plain:.4f}, fit + calib {calibrated:.4f}")
     assert calibrated < plain / 4, (plain, calibrated)
+
+
+def test_one_calibration_serves_several_conversions(one_torch_thread):
+    """A Calibration asked for a layer it has handed out (a second conversion, as the method
+    bake-off does) runs the model again and gives the same moments."""
+    calibration = Calibration(TRAIN_TXT, 600).bind(EXAMPLE_MHA8)
+    first = [calibration.sigma(f"model.layers.{i}.self_attn.") for i in range(2)]
+    again = [calibration.sigma(f"model.layers.{i}.self_attn.") for i in range(2)]
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -158,6 +158,8 @@ class Calibration:
         Runs the stream up to that layer; the moments of layers passed over are kept until asked
         for, and each layer's are handed out once (then forgotten: at width 8192 one is 512 MiB).
         """
+        if layer in self._handed_out:  # a second conversion with this calibration: run the model again
+            self._restart()
         if not self._started:
             self._start()
         while layer not in self._moments and self._stream is not None and self._stream.position < len(
@@ -167,15 +169,20 @@ class Calibration:
             self._moments[state.prefix] = state.sigma
             self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
             self.record["layers_run"] = self._stream.position
-        if layer in self._handed_out:
-            raise ValueError(f"the moments of {layer} were handed out already; a Calibration keeps only "
-                             f"those not yet asked for")
         try:
             sigma = self._moments.pop(layer)  # the conversion asks once per layer: held no longer
         except KeyError:
             raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model") from None
         self._handed_out.add(layer)
         return sigma
+
+    def _restart(self) -> None:
+        """Forget the run so far: the next `sigma` runs the stream again from the first layer."""
+        if self._stream is not None:
+            self._stream.release()
+        self._stream, self._started = None, False
+        self._moments.clear()
+        self._handed_out.clear()
 
     def state(self, layer: str) -> LayerState | None:
         """The stream's state of `layer` if it is the layer run last (after `sigma(layer)`), else None."""
