@@ -40,6 +40,7 @@ from uptrain.train.run_state import (
 )
 from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
 from uptrain.train import shard
+from uptrain.train.preempt import Preempted, StopRequest, signal_name
 from uptrain.train.setup import (
     ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
     final_model_dtype, plan_run, resolve_models,
@@ -90,14 +91,16 @@ class Run:
 
 def train(config: TrainConfig) -> dict:
     """Run the training described by `config`; return the final metrics."""
-    run = setup_run(config)
-    start_step, batches = resume_state(run)
-    if start_step == 0 and config.eval.at_start:
-        first = run.validate()
-        run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
-        run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
-    last_record = train_steps(run, start_step, batches)
-    return finish_run(run, last_record)
+    with StopRequest().installed() as stop:  # SIGTERM/SIGUSR1/Ctrl-C: checkpoint after the step, then stop
+        run = setup_run(config)
+        stop.connect(run.accelerator.process_index, run.accelerator.num_processes)
+        start_step, batches = resume_state(run)
+        if start_step == 0 and config.eval.at_start:
+            first = run.validate()
+            run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
+            run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
+        last_record = train_steps(run, start_step, batches, stop)
+        return finish_run(run, last_record)
 
 
 def setup_run(config: TrainConfig) -> Run:
@@ -221,8 +224,11 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
     return start_step, batches
 
 
-def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
-    """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record."""
+def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None = None) -> dict:
+    """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record.
+
+    Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
+    """
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
     world, accum = accelerator.num_processes, config.batch.grad_accum
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -285,13 +291,24 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
             run.log(record)
         if config.eval.every and done % config.eval.every == 0 and done != plan.steps:
             run.log({"step": done, **run.validate()})
+        saved = None
         if config.checkpoint.every and done % config.checkpoint.every == 0:
-            state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
-                     "processes": world}
-            save_checkpoint(accelerator, run.run_dir, done, state, config.checkpoint.keep,
-                            _sharded_io(run, shard.save_sharded))
+            saved = _save(run, done)
+        signum = stop.agreed(done) if stop is not None else 0  # the same answer on every rank
+        if signum and done < plan.steps:
+            bar.close()
+            raise Preempted(signal_name(signum), done, plan.steps, saved or _save(run, done))
     bar.close()
     return record
+
+
+def _save(run: Run, done: int) -> Path:
+    """Checkpoint after `done` steps (every process): state, data position, process count."""
+    plan = run.plan
+    state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
+             "processes": run.accelerator.num_processes}
+    return save_checkpoint(run.accelerator, run.run_dir, done, state, run.config.checkpoint.keep,
+                           _sharded_io(run, shard.save_sharded))
 
 
 def _check_finite(run: Run, step: int, loss: float, grad_norm: float | None, deepspeed: bool) -> None:

@@ -11,6 +11,7 @@ trainer_state.json is its completion mark: a folder without it is never taken as
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import yaml
 from accelerate import Accelerator
 
 from uptrain.errors import UsageError
+from uptrain.train.preempt import signal_in_checkpoint_hook
 
 STATE_FILE = "trainer_state.json"
 RUN_FILE = "run.yaml"
@@ -117,31 +119,63 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
                     save_extra=None) -> Path:
     """Save model/optimizer/RNG state + `state` (data position) atomically; keep the last `keep`.
 
-    Must be called on every process (accelerate gathers and writes per-process RNG state).
+    Must be called on every process (accelerate gathers and writes per-process RNG state). The
+    state goes into `.tmp-checkpoint-N`, every file is fsynced, the completion mark is written
+    last, and one rename makes it `checkpoint-N`: a crash or kill at any point leaves the folder
+    complete or absent (an earlier copy of the same step is renamed away first, then deleted).
     """
     folder = run_dir / "checkpoints"
     final = folder / f"checkpoint-{step:08d}"
     tmp = folder / f".tmp-checkpoint-{step:08d}"
+    old = folder / f".old-checkpoint-{step:08d}"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash while writing
+        for stale in [*folder.glob(".tmp-checkpoint-*"), *folder.glob(".old-checkpoint-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left over from a crash while writing
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     if save_extra is not None:  # e.g. sharded weights and optimizer (shard=fsdp2), every rank
         save_extra(tmp)
+    _fsync_tree(tmp)  # each rank's files on disk before the mark says "complete"
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        signal_in_checkpoint_hook(step)
         with open(tmp / STATE_FILE, "w") as f:  # completion mark, written after everything else
             json.dump(state, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
+        _fsync_dir(tmp)
+        if final.exists():  # e.g. resumed from an earlier checkpoint: keep it whole until replaced
+            os.rename(final, old)
         os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or nothing
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
+        _fsync_dir(folder)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(stale)
     accelerator.wait_for_everyone()
     return final
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root` (what this process can see of it)."""
+    for here, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(os.path.join(here, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(here))
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a folder, so that the names (renames, new files) in it are on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def checkpoint_state(path: Path) -> dict:
