@@ -35,7 +35,7 @@ from uptrain.train.config import TrainConfig, to_dict
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
-    RUN_FILE, check_run_dir, check_same_processes, checkpoint_state, clear_run_dir, load_checkpoint, mark_finished,
+    RUN_FILE, check_run_dir, checkpoint_state, elastic_grad_accum, clear_run_dir, load_checkpoint, mark_finished,
     save_checkpoint,
 )
 from uptrain.train.runtime import check_deepspeed, deepspeed_facts, make_accelerator
@@ -114,6 +114,21 @@ def setup_run(config: TrainConfig) -> Run:
     check_deepspeed(config, deepspeed_facts(accelerator))
     if config.shard == "fsdp2":
         shard.check_fsdp2(config, accelerator)
+    resume_from = check_run_dir(run_dir, to_dict(config), config.resume, config.overwrite)
+    consumed, elastic_line = 0, None
+    if resume_from is not None:
+        state = checkpoint_state(resume_from)
+        # Elastic resume: on another process count, grad_accum keeps the checkpoint's global batch.
+        accum = elastic_grad_accum(resume_from, state, world, config.batch.micro_batch, config.batch.grad_accum)
+        if accum != config.batch.grad_accum:
+            written = state.get("processes", "?")
+            elastic_line = (f"checkpoint written by {written} process{'es' * (written != 1)}, resumed on {world}: "
+                            f"grad_accum {config.batch.grad_accum} -> {accum} keeps the global batch of "
+                            f"{accum * world * config.batch.micro_batch} sequences")
+            config = dataclasses.replace(config, batch=dataclasses.replace(config.batch, grad_accum=accum))
+        # A streaming source cannot skip batches in the loader: the stream itself starts after
+        # the blocks the interrupted run consumed (the checkpoint's data position).
+        consumed = state["samples"]
     plan = plan_run(config, world)
     ranges = []
     if config.trainable_stages:
@@ -121,14 +136,6 @@ def setup_run(config: TrainConfig) -> Run:
             raise UsageError("trainable_stages runs in one process for now; use one process or a single trainable")
         ranges = stage_steps(config.trainable_stages, plan.tokens_per_step, plan.steps, config.trainable)
     config_dict = to_dict(config)
-    resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
-    consumed = 0
-    if resume_from is not None:
-        state = checkpoint_state(resume_from)
-        check_same_processes(resume_from, state, world, config.batch.micro_batch * config.batch.grad_accum)
-        # A streaming source cannot skip batches in the loader: the stream itself starts after
-        # the blocks the interrupted run consumed (the checkpoint's data position).
-        consumed = state["samples"]
     folders = resolve_models(config)
     tokenizer = check_models(config, folders)
     final_dtype, dtype_line = final_model_dtype(config, folders)
@@ -165,6 +172,8 @@ def setup_run(config: TrainConfig) -> Run:
     n_params = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters())
     n_trained = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
     accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
+    if elastic_line:
+        accelerator.print(elastic_line)
     if samples_line:
         accelerator.print(samples_line)
     accelerator.print(dtype_line)

@@ -59,7 +59,7 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
         return None
     if run_file.is_file():
         stored = yaml.safe_load(run_file.read_text()) or {}
-        changed = [key for key in _RUN_IDENTITY if stored.get(key) != config_dict.get(key)]
+        changed = [key for key in _RUN_IDENTITY if _identity(stored, key) != _identity(config_dict, key)]
         if changed:
             raise UsageError(
                 f"run folder {run_dir} holds another run's state (differs in: {', '.join(changed)}); "
@@ -81,6 +81,15 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
     return path
+
+
+def _identity(config_dict: dict, key: str):
+    """A config section as it identifies a run: grad_accum aside, which an elastic resume adapts
+    to the process count (the global batch is checked against the checkpoint instead)."""
+    value = config_dict.get(key)
+    if key == "batch" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "grad_accum"}
+    return value
 
 
 def mark_finished(run_dir: Path, record: dict) -> None:
@@ -183,22 +192,27 @@ def checkpoint_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
-def check_same_processes(path: Path, state: dict, world: int, sequences_per_process: int) -> None:
-    """Refuse to resume checkpoint `path` on another number of processes than it was written with.
+def elastic_grad_accum(path, state: dict, world: int, micro_batch: int, grad_accum: int) -> int:
+    """The grad_accum that keeps checkpoint `path`'s global batch on `world` processes.
 
-    The global batch is micro_batch x grad_accum x processes: another count would re-plan the
-    steps, skip the wrong number of sequences and stretch the LR schedule, i.e. a different run.
-    Checkpoints that predate the stored count give it as samples / step / `sequences_per_process`.
+    The global batch (micro_batch x grad_accum x processes, stored as samples / step) fixes the
+    steps, the data each step sees and the LR schedule; `world` processes keep it when it is a
+    whole multiple of micro_batch x world. Raises UsageError (one line) naming the process counts
+    that do when it is not.
     """
-    processes = state.get("processes")
-    if processes is None and state.get("step"):
-        processes = state["samples"] // state["step"] // sequences_per_process
-    if processes is not None and processes != world:
-        raise UsageError(
-            f"checkpoint {path} was written by a run on {processes} processes but this one has {world}; "
-            f"resume it with {processes} processes (accelerate launch --num_processes {processes}): "
-            "another count changes the global batch, the steps and the LR schedule"
-        )
+    if not state.get("step"):
+        return grad_accum
+    global_batch = state["samples"] // state["step"]
+    if global_batch % (micro_batch * world) == 0:
+        return global_batch // (micro_batch * world)
+    written = state.get("processes") or global_batch // (micro_batch * grad_accum)
+    per_micro = global_batch // micro_batch if global_batch % micro_batch == 0 else 0
+    counts = [m for m in range(1, per_micro + 1) if per_micro % m == 0]
+    raise UsageError(
+        f"checkpoint {path} was written with a global batch of {global_batch} sequences ({written} processes); "
+        f"{world} processes x micro_batch {micro_batch} cannot keep it with a whole grad_accum: "
+        f"resume on {', '.join(map(str, counts))} processes (grad_accum is set to keep the global batch)"
+    )
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, load_extra=None) -> dict:
