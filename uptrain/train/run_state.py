@@ -5,8 +5,11 @@ Layout of a run folder:
   checkpoints/checkpoint-00000100/   accelerate state + trainer_state.json (written last)
   metrics.jsonl, <project>/ (TensorBoard), model/ (final Hugging Face folder), loss.png
 
-A checkpoint is written into `checkpoints/.tmp-...` and renamed once complete, and
-trainer_state.json is its completion mark: a folder without it is never taken as latest.
+A checkpoint is written into `checkpoints/.tmp-...`, fsynced, marked complete (trainer_state.json,
+written last) and renamed into place: a kill at any point leaves it complete or absent, and a
+folder without the mark is never taken as latest. A checkpoint records the process count and the
+global batch (samples / step); a resume on another count keeps that batch by adjusting grad_accum
+(`elastic_grad_accum`).
 """
 
 from __future__ import annotations
