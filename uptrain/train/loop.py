@@ -99,7 +99,11 @@ def train(config: TrainConfig) -> dict:
             first = run.validate()
             run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
             run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
-        last_record = train_steps(run, start_step, batches, stop)
+        try:
+            last_record = train_steps(run, start_step, batches, stop)
+        except Preempted:
+            run.accelerator.end_training()  # trackers flush what the steps logged
+            raise
         return finish_run(run, last_record)
 
 
