@@ -22,7 +22,7 @@ from uptrain.train.config import load_config
 from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
-STEPS = 8
+STEPS = 12  # a signal sent at step k <= 5 lands well before the end, however slow the machine
 RNG = random.Random(21)  # the "random step" of each test, reproducible
 
 
@@ -58,11 +58,14 @@ def _one_process(args: list[str], **hooks) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _launch(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
+
+
 def _two_processes(args: list[str], **hooks) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
-    return subprocess.run(launch, cwd=REPO, env=_env(**hooks), capture_output=True, text=True, timeout=300)
+    return subprocess.run(_launch(args), cwd=REPO, env=_env(**hooks), capture_output=True, text=True, timeout=300)
 
 
 def _logged_steps(run_dir) -> int:
@@ -168,6 +171,27 @@ def test_sigterm_during_a_checkpoint_write_on_two_processes_completes_it_then_st
     args = _two_process_args(run_dir, **{"checkpoint.every": 2})
     proc = _two_processes(args, UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:SIGTERM")
     assert f"exitcode  : {EXIT_PREEMPTED}" in proc.stderr, proc.stderr[-3000:]
-    assert "stopped by SIGTERM after step 2 of 8" in proc.stderr
+    assert f"stopped by SIGTERM after step 2 of {STEPS}" in proc.stderr
     assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]
     assert _logged_steps(run_dir) == 2 and not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
+    # Kubernetes and scancel signal the launcher: accelerate launch (torchrun) forwards SIGTERM to
+    # each worker in turn (they may see it at different steps), so they agree on a step, write one
+    # checkpoint and print how to continue; the launcher itself exits 1 (its SignalException).
+    need_models()
+    k = RNG.randint(2, 5)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_launch(_two_process_args(run_dir)), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while _logged_steps(run_dir) < k and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    stopped = _logged_steps(run_dir)
+    assert k <= stopped < STEPS
+    assert err.count(f"stopped by SIGTERM after step {stopped} of {STEPS}") == 1, err[-3000:]  # said once, by rank 0
+    assert [p.name for p in complete_checkpoints(run_dir)] == [f"checkpoint-{stopped:08d}"]
+    assert not (run_dir / "model").exists()
