@@ -195,3 +195,24 @@ def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_pa
     assert err.count(f"stopped by SIGTERM after step {stopped} of {STEPS}") == 1, err[-3000:]  # said once, by rank 0
     assert [p.name for p in complete_checkpoints(run_dir)] == [f"checkpoint-{stopped:08d}"]
     assert not (run_dir / "model").exists()
+
+
+def test_one_ctrl_c_delivered_twice_is_one_press_and_a_later_second_press_stops_at_once():
+    # A terminal sends Ctrl-C to the launcher and its workers, and the launcher forwards it again:
+    # SIGINTs within SAME_PRESS_S are one press (checkpoint and stop); one later stops at once.
+    from uptrain.train.preempt import SAME_PRESS_S, StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest().installed() as stop:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pytest.fail("one Ctrl-C delivered twice stopped at once")
+        assert stop.agreed(1) == signal.SIGINT
+        time.sleep(SAME_PRESS_S + 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, in the main thread
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handlers are back

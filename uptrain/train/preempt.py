@@ -30,7 +30,7 @@ import torch
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; resume=latest continues
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once by a second Ctrl-C; the last complete checkpoint is kept
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 SAME_PRESS_S = 1.0
 
 
