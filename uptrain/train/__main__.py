@@ -3,7 +3,9 @@
     python -m uptrain.train configs/demo-cpu.yaml model=path/to/model optim.lr=1e-3
     accelerate launch -m uptrain.train CONFIG.yaml [key=value ...]
 
-See uptrain/train/config.py for every config field.
+See uptrain/train/config.py for every config field. Exit codes: 0 done, 1 diverged, 2 bad input,
+75 stopped by SIGTERM/SIGUSR1/Ctrl-C with a checkpoint (the last line says how to continue), 130
+stopped at once by a second Ctrl-C (the last complete checkpoint is kept).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
     train(config)
       setup_run      checks (config, run folder, models, budget, data) before any weights load,
                      then model, teacher, optimizer, data loader, trackers
-      resume_state   the checkpoint's weights, optimizer, RNG and data position (if resuming)
-      train_steps    the loop: forward, backward, step, log, eval, checkpoint
+      resume_state   the checkpoint's weights, optimizer, RNG and data position (if resuming; on
+                     another process count grad_accum keeps the global batch: setup_run)
+      train_steps    the loop: forward, backward, step, log, eval, checkpoint, and on a stop signal
+                     (SIGTERM/SIGUSR1/Ctrl-C, agreed by all processes) a checkpoint and Preempted
       finish_run     final validation, model folder with its card, loss plot
 
 One readable loop in the spirit of nanoGPT; accelerate handles devices, processes, mixed
