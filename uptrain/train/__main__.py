@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 def resume_command(config: str, overrides: list[str]) -> str:
     """The command that continues this run: the same config and overrides, plus resume=latest."""
     kept = [o for o in overrides if o.split("=", 1)[0] not in ("resume", "overwrite")]
-    launcher = ("accelerate launch [the same launch options] -m uptrain.train" if int(os.environ.get("WORLD_SIZE", "1")) > 1
-                else "python -m uptrain.train")
+    launched = "RANK" in os.environ  # by accelerate launch / torchrun, whatever the process count
+    launcher = "accelerate launch [the same launch options] -m uptrain.train" if launched else "python -m uptrain.train"
     return f"{launcher} {shlex.join([config, *kept, 'resume=latest'])}"
 
 
