@@ -17,7 +17,6 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, GQA4, REPO, need_models, read_metrics, tiny_overrides, train_losses
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.train import train
-from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
 
 STEPS = 6
@@ -115,18 +114,7 @@ def test_two_processes_normalise_gradients_like_one(sgd_runs):
         torch.testing.assert_close(w_two[name], w_one[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_resume_on_another_process_count_is_refused(sgd_runs, capsys):
-    # The two-process run's checkpoint (step 6 = 48 sequences) resumed by one process would
-    # re-plan 12 steps, skip 24 sequences and stretch the LR schedule: a different run.
-    _, double, _ = sgd_runs
-    args = tiny_overrides(double, steps=STEPS, **{**SGD, "batch.grad_accum": 1, "checkpoint.every": 3,
-                                                   "checkpoint.keep": 1})
-    before = (double / "metrics.jsonl").read_text()
-    (double / FINISHED_FILE).unlink(missing_ok=True)  # as if interrupted: a finished run refuses any resume
-    assert main([str(DEMO), *args, "resume=latest"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "was written by a run on 2 processes but this one has 1" in err and "--num_processes 2" in err, err
-    assert (double / "metrics.jsonl").read_text() == before  # nothing was trained or rewritten
+# Resuming on another process count (grad_accum adjusted) and its refusal: tests/train/test_elastic.py.
 
 
 def test_streaming_two_processes_see_the_same_global_batches_as_one_and_resume(tmp_path, one_torch_thread):

@@ -3,14 +3,19 @@
     python -m uptrain.train configs/demo-cpu.yaml model=path/to/model optim.lr=1e-3
     accelerate launch -m uptrain.train CONFIG.yaml [key=value ...]
 
-See uptrain/train/config.py for every config field.
+See uptrain/train/config.py for every config field. Exit codes: 0 done, 1 diverged, 2 bad input,
+75 stopped by SIGTERM/SIGUSR1/Ctrl-C with a checkpoint (the last line says how to continue), 130
+stopped at once by a second Ctrl-C (the last complete checkpoint is kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 import sys
 import typing
+from pathlib import Path
 
 from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
@@ -29,14 +34,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, dotted for nested fields (optim.lr=1e-3)")
     args = parser.parse_args(argv)
-    from uptrain.train.loop import TrainingDiverged, train  # after --help: torch & co. take seconds
+    config = load_config(args.config, args.overrides)
+    resume = resume_command(args.config, args.overrides)
+    # after --help: torch & co. take seconds
+    from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
+    from uptrain.train.run_state import complete_checkpoints
 
     try:
-        train(load_config(args.config, args.overrides))
+        from uptrain.train.loop import TrainingDiverged, train
+
+        train(config)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Preempted as stop:
+        _say(f"{stop}: checkpoint {stop.checkpoint} kept; continue with: {resume}")
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): no new checkpoint
+        done = complete_checkpoints(Path(config.run_dir))
+        kept = f"last complete checkpoint {done[-1]} kept" if done else "no checkpoint yet (resume starts over)"
+        _say(f"interrupted: {kept}; continue with: {resume}")
+        return EXIT_INTERRUPTED
     return 0
+
+
+def resume_command(config: str, overrides: list[str]) -> str:
+    """The command that continues this run: the same config and overrides, plus resume=latest."""
+    kept = [o for o in overrides if o.split("=", 1)[0] not in ("resume", "overwrite")]
+    launched = "RANK" in os.environ  # by accelerate launch / torchrun, whatever the process count
+    launcher = "accelerate launch [the same launch options] -m uptrain.train" if launched else "python -m uptrain.train"
+    return f"{launcher} {shlex.join([config, *kept, 'resume=latest'])}"
+
+
+def _say(line: str) -> None:
+    """One line on stderr, from the first process only (every process stops the same way)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
     train(config)
       setup_run      checks (config, run folder, models, budget, data) before any weights load,
                      then model, teacher, optimizer, data loader, trackers
-      resume_state   the checkpoint's weights, optimizer, RNG and data position (if resuming)
-      train_steps    the loop: forward, backward, step, log, eval, checkpoint
+      resume_state   the checkpoint's weights, optimizer, RNG and data position (if resuming; on
+                     another process count grad_accum keeps the global batch: setup_run)
+      train_steps    the loop: forward, backward, step, log, eval, checkpoint, and on a stop signal
+                     (SIGTERM/SIGUSR1/Ctrl-C, agreed by all processes) a checkpoint and Preempted
       finish_run     final validation, model folder with its card, loss plot
 
 One readable loop in the spirit of nanoGPT; accelerate handles devices, processes, mixed
@@ -36,11 +38,12 @@ from uptrain.train.health import StepHealth, TrainingDiverged, check_finite  # n
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
-    RUN_FILE, check_run_dir, check_same_processes, checkpoint_state, clear_run_dir, load_checkpoint, mark_finished,
+    RUN_FILE, check_run_dir, checkpoint_state, elastic_grad_accum, clear_run_dir, load_checkpoint, mark_finished,
     save_checkpoint,
 )
 from uptrain.train.runtime import check_deepspeed, check_shared_run_dir, deepspeed_facts, make_accelerator
 from uptrain.train import shard
+from uptrain.train.preempt import Preempted, StopRequest, signal_name
 from uptrain.train.setup import (
     ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
     final_model_dtype, plan_run, resolve_models,
@@ -86,14 +89,20 @@ class Run:
 
 def train(config: TrainConfig) -> dict:
     """Run the training described by `config`; return the final metrics."""
-    run = setup_run(config)
-    start_step, batches = resume_state(run)
-    if start_step == 0 and config.eval.at_start:
-        first = run.validate()
-        run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
-        run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
-    last_record = train_steps(run, start_step, batches)
-    return finish_run(run, last_record)
+    with StopRequest().installed() as stop:  # SIGTERM/SIGUSR1/Ctrl-C: checkpoint after the step, then stop
+        run = setup_run(config)
+        stop.connect(run.accelerator.process_index, run.accelerator.num_processes)
+        start_step, batches = resume_state(run)
+        if start_step == 0 and config.eval.at_start:
+            first = run.validate()
+            run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
+            run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
+        try:
+            last_record = train_steps(run, start_step, batches, stop)
+        except Preempted:
+            run.accelerator.end_training()  # trackers flush what the steps logged
+            raise
+        return finish_run(run, last_record)
 
 
 def setup_run(config: TrainConfig) -> Run:
@@ -109,6 +118,22 @@ def setup_run(config: TrainConfig) -> Run:
         shard.check_fsdp2(config, accelerator)
     if config.compile:
         shard.check_compile(accelerator.device.type)
+    check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
+    resume_from = check_run_dir(run_dir, to_dict(config), config.resume, config.overwrite)
+    consumed, elastic_line = 0, None
+    if resume_from is not None:
+        state = checkpoint_state(resume_from)
+        # Elastic resume: on another process count, grad_accum keeps the checkpoint's global batch.
+        accum = elastic_grad_accum(resume_from, state, world, config.batch.micro_batch, config.batch.grad_accum)
+        if accum != config.batch.grad_accum:
+            written = state.get("processes", "?")
+            elastic_line = (f"checkpoint written by {written} process{'es' * (written != 1)}, resumed on {world}: "
+                            f"grad_accum {config.batch.grad_accum} -> {accum} keeps the global batch of "
+                            f"{accum * world * config.batch.micro_batch} sequences")
+            config = dataclasses.replace(config, batch=dataclasses.replace(config.batch, grad_accum=accum))
+        # A streaming source cannot skip batches in the loader: the stream itself starts after
+        # the blocks the interrupted run consumed (the checkpoint's data position).
+        consumed = state["samples"]
     plan = plan_run(config, world)
     ranges = []
     if config.trainable_stages:
@@ -116,15 +141,6 @@ def setup_run(config: TrainConfig) -> Run:
             raise UsageError("trainable_stages runs in one process for now; use one process or a single trainable")
         ranges = stage_steps(config.trainable_stages, plan.tokens_per_step, plan.steps, config.trainable)
     config_dict = to_dict(config)
-    check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
-    resume_from = check_run_dir(run_dir, config_dict, config.resume, config.overwrite)
-    consumed = 0
-    if resume_from is not None:
-        state = checkpoint_state(resume_from)
-        check_same_processes(resume_from, state, world, config.batch.micro_batch * config.batch.grad_accum)
-        # A streaming source cannot skip batches in the loader: the stream itself starts after
-        # the blocks the interrupted run consumed (the checkpoint's data position).
-        consumed = state["samples"]
     folders = resolve_models(config)
     tokenizer = check_models(config, folders)
     final_dtype, dtype_line = final_model_dtype(config, folders)
@@ -161,6 +177,8 @@ def setup_run(config: TrainConfig) -> Run:
     n_params = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters())
     n_trained = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
     accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
+    if elastic_line:
+        accelerator.print(elastic_line)
     if samples_line:
         accelerator.print(samples_line)
     accelerator.print(dtype_line)
@@ -221,11 +239,12 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
     return start_step, batches
 
 
-def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
+def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None = None) -> dict:
     """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record.
 
     Losses stay on the device between sync points (uptrain/train/health.py): every log.every
-    steps, before each evaluation and checkpoint, and at the last step.
+    steps, before each evaluation and checkpoint, at a stop signal and at the last step.
+    Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
     """
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
     world, accum = accelerator.num_processes, config.batch.grad_accum
@@ -304,13 +323,27 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict]) -> dict:
             run.log(record)
         if eval_now:
             run.log({"step": done, **run.validate()})
-        if save_now:
-            state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
-                     "processes": world}
-            save_checkpoint(accelerator, run.run_dir, done, state, config.checkpoint.keep,
-                            _sharded_io(run, shard.save_sharded))
+        saved = _save(run, done) if save_now else None
+        # A stop signal (SIGTERM/SIGUSR1/Ctrl-C) ends the run after this step, the same step on
+        # every rank (a host all-reduce of the flag), with a checkpoint; a signal that came during
+        # this step's checkpoint write is seen here too.
+        signum = stop.agreed(done) if stop is not None else 0
+        if signum and done < plan.steps:
+            if saved is None:  # never checkpoint a bad step: the device-side health is read first
+                check_finite(health.read(), step, run.run_dir, updated=True, deepspeed=deepspeed)
+            bar.close()
+            raise Preempted(signal_name(signum), done, plan.steps, saved or _save(run, done))
     bar.close()
     return record
+
+
+def _save(run: Run, done: int) -> Path:
+    """Checkpoint after `done` steps (every process): state, data position, process count."""
+    plan = run.plan
+    state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
+             "processes": run.accelerator.num_processes}
+    return save_checkpoint(run.accelerator, run.run_dir, done, state, run.config.checkpoint.keep,
+                           _sharded_io(run, shard.save_sharded))
 
 
 def _sharded_io(run: Run, io):

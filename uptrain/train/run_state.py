@@ -5,12 +5,16 @@ Layout of a run folder:
   checkpoints/checkpoint-00000100/   accelerate state + trainer_state.json (written last)
   metrics.jsonl, <project>/ (TensorBoard), model/ (final Hugging Face folder), loss.png
 
-A checkpoint is written into `checkpoints/.tmp-...` and renamed once complete, and
-trainer_state.json is its completion mark: a folder without it is never taken as latest.
+A checkpoint is written into `checkpoints/.tmp-...`, fsynced, marked complete (trainer_state.json,
+written last) and renamed into place: a kill at any point leaves it complete or absent, and a
+folder without the mark is never taken as latest. A checkpoint records the process count and the
+global batch (samples / step); a resume on another count keeps that batch by adjusting grad_accum
+(`elastic_grad_accum`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +25,7 @@ import yaml
 from accelerate import Accelerator
 
 from uptrain.errors import UsageError
+from uptrain.train.preempt import signal_in_checkpoint_hook
 
 STATE_FILE = "trainer_state.json"
 RUN_FILE = "run.yaml"
@@ -57,7 +62,7 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
         return None
     if run_file.is_file():
         stored = yaml.safe_load(run_file.read_text()) or {}
-        changed = [key for key in _RUN_IDENTITY if stored.get(key) != config_dict.get(key)]
+        changed = [key for key in _RUN_IDENTITY if _identity(stored, key) != _identity(config_dict, key)]
         if changed:
             raise UsageError(
                 f"run folder {run_dir} holds another run's state (differs in: {', '.join(changed)}); "
@@ -79,6 +84,15 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
     return path
+
+
+def _identity(config_dict: dict, key: str):
+    """A config section as it identifies a run: grad_accum aside, which an elastic resume adapts
+    to the process count (the global batch is checked against the checkpoint instead)."""
+    value = config_dict.get(key)
+    if key == "batch" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "grad_accum"}
+    return value
 
 
 def mark_finished(run_dir: Path, record: dict) -> None:
@@ -117,31 +131,63 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
                     save_extra=None) -> Path:
     """Save model/optimizer/RNG state + `state` (data position) atomically; keep the last `keep`.
 
-    Must be called on every process (accelerate gathers and writes per-process RNG state).
+    Must be called on every process (accelerate gathers and writes per-process RNG state). The
+    state goes into `.tmp-checkpoint-N`, every file is fsynced, the completion mark is written
+    last, and one rename makes it `checkpoint-N`: a crash or kill at any point leaves the folder
+    complete or absent (an earlier copy of the same step is renamed away first, then deleted).
     """
     folder = run_dir / "checkpoints"
     final = folder / f"checkpoint-{step:08d}"
     tmp = folder / f".tmp-checkpoint-{step:08d}"
+    old = folder / f".old-checkpoint-{step:08d}"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash while writing
+        for stale in [*folder.glob(".tmp-checkpoint-*"), *folder.glob(".old-checkpoint-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left over from a crash while writing
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     if save_extra is not None:  # e.g. sharded weights and optimizer (shard=fsdp2), every rank
         save_extra(tmp)
+    _fsync_tree(tmp)  # each rank's files on disk before the mark says "complete"
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        signal_in_checkpoint_hook(step)
         with open(tmp / STATE_FILE, "w") as f:  # completion mark, written after everything else
             json.dump(state, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
+        _fsync_dir(tmp)
+        if final.exists():  # e.g. resumed from an earlier checkpoint: keep it whole until replaced
+            os.rename(final, old)
         os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or nothing
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
+        _fsync_dir(folder)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(stale)
     accelerator.wait_for_everyone()
     return final
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root` (what this process can see of it)."""
+    for here, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(os.path.join(here, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(here))
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a folder, so that the names (renames, new files) in it are on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def checkpoint_state(path: Path) -> dict:
@@ -149,22 +195,27 @@ def checkpoint_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
-def check_same_processes(path: Path, state: dict, world: int, sequences_per_process: int) -> None:
-    """Refuse to resume checkpoint `path` on another number of processes than it was written with.
+def elastic_grad_accum(path, state: dict, world: int, micro_batch: int, grad_accum: int) -> int:
+    """The grad_accum that keeps checkpoint `path`'s global batch on `world` processes.
 
-    The global batch is micro_batch x grad_accum x processes: another count would re-plan the
-    steps, skip the wrong number of sequences and stretch the LR schedule, i.e. a different run.
-    Checkpoints that predate the stored count give it as samples / step / `sequences_per_process`.
+    The global batch (micro_batch x grad_accum x processes, stored as samples / step) fixes the
+    steps, the data each step sees and the LR schedule; `world` processes keep it when it is a
+    whole multiple of micro_batch x world. Raises UsageError (one line) naming the process counts
+    that do when it is not.
     """
-    processes = state.get("processes")
-    if processes is None and state.get("step"):
-        processes = state["samples"] // state["step"] // sequences_per_process
-    if processes is not None and processes != world:
-        raise UsageError(
-            f"checkpoint {path} was written by a run on {processes} processes but this one has {world}; "
-            f"resume it with {processes} processes (accelerate launch --num_processes {processes}): "
-            "another count changes the global batch, the steps and the LR schedule"
-        )
+    if not state.get("step"):
+        return grad_accum
+    global_batch = state["samples"] // state["step"]
+    if global_batch % (micro_batch * world) == 0:
+        return global_batch // (micro_batch * world)
+    written = state.get("processes") or global_batch // (micro_batch * grad_accum)
+    per_micro = global_batch // micro_batch if global_batch % micro_batch == 0 else 0
+    counts = [m for m in range(1, per_micro + 1) if per_micro % m == 0]
+    raise UsageError(
+        f"checkpoint {path} was written with a global batch of {global_batch} sequences ({written} processes); "
+        f"{world} processes x micro_batch {micro_batch} cannot keep it with a whole grad_accum: "
+        f"resume on {', '.join(map(str, counts))} processes (grad_accum is set to keep the global batch)"
+    )
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, load_extra=None) -> dict:

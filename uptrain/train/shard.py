@@ -179,7 +179,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Restore what save_sharded wrote (same number of processes); call on every rank."""
+    """Restore what save_sharded wrote, on any number of processes (DCP reshards on load); call on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

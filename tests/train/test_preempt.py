@@ -1,0 +1,218 @@
+"""Preemption: real signals (SIGTERM, SIGUSR1, Ctrl-C, SIGKILL) at a random step, on one and two
+processes and during a checkpoint write; `resume=latest` then reproduces the uninterrupted losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
+from train_helpers import DEMO, REPO, need_models, tiny_overrides, train_losses
+from test_train_multiproc import _free_port
+from uptrain.train import train
+from uptrain.train.__main__ import main
+from uptrain.train.config import load_config
+from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
+
+STEPS = 12  # a signal sent at step k <= 5 lands well before the end, however slow the machine
+RNG = random.Random(21)  # the "random step" of each test, reproducible
+
+
+def _args(run_dir, **extra) -> list[str]:
+    return tiny_overrides(run_dir, steps=STEPS, **{"log.every": 1, "threads": 1, **extra})
+
+
+def _two_process_args(run_dir, **extra) -> list[str]:  # 4 x 1 x 2 processes = the one process's 4 x 2
+    return _args(run_dir, **{"batch.grad_accum": 1, **extra})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Per-step losses of the uninterrupted one-process run."""
+    need_models()
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    train(load_config(DEMO, _args(run_dir)))
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def _env(**hooks) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **hooks}
+
+
+def _one_process(args: list[str], **hooks) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "uptrain.train", str(DEMO), *args], cwd=REPO, env=_env(**hooks),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _launch(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
+
+
+def _two_processes(args: list[str], **hooks) -> subprocess.CompletedProcess:
+    return subprocess.run(_launch(args), cwd=REPO, env=_env(**hooks), capture_output=True, text=True, timeout=300)
+
+
+def _logged_steps(run_dir) -> int:
+    try:
+        return max((json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()),
+                   default=0)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def _check_stopped(run_dir, stderr: str, step: int) -> None:
+    """Stopped after `step` with its checkpoint, the resume line last, no model, nothing half-written."""
+    line = stderr.strip().splitlines()[-1]
+    assert f"after step {step} of {STEPS}" in line and f"checkpoint-{step:08d}" in line, line
+    assert line.endswith("resume=latest") and "uptrain.train" in line, line
+    assert complete_checkpoints(run_dir)[-1].name == f"checkpoint-{step:08d}"
+    assert json.loads((complete_checkpoints(run_dir)[-1] / "trainer_state.json").read_text())["step"] == step
+    assert not (run_dir / "model").exists() and not (run_dir / FINISHED_FILE).exists()
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def _resume_matches(run_dir, args: list[str], reference: dict) -> None:
+    assert main([str(DEMO), *args, "resume=latest"]) == 0
+    resumed = train_losses(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def test_sigterm_at_a_random_step_checkpoints_stops_and_resumes_exactly(tmp_path, reference, one_torch_thread):
+    # A real SIGTERM from outside, once metrics.jsonl shows step k: the process finishes the step
+    # it is in, writes a checkpoint there (checkpoint.every=0: the only one), exits 75.
+    k = RNG.randint(2, 4)
+    run_dir = tmp_path / "run"
+    args = _args(run_dir)
+    proc = _one_process(args)
+    while _logged_steps(run_dir) < k and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    stopped = _logged_steps(run_dir)
+    assert k <= stopped < STEPS
+    _check_stopped(run_dir, err, stopped)
+    assert "Traceback" not in err
+    _resume_matches(run_dir, args, reference)
+
+
+def test_second_ctrl_c_stops_at_once_keeping_the_last_complete_checkpoint(tmp_path, reference, one_torch_thread):
+    # A first Ctrl-C after step k asks for a checkpoint at k; a second Ctrl-C, 1.5 s later, arrives
+    # while that checkpoint is being written: the process stops at once (130), the half-written
+    # checkpoint is never listed, the last complete one (every 2 steps) is kept and named.
+    k = RNG.choice([3, 5])
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, **{"checkpoint.every": 2, "checkpoint.keep": 5})
+    proc = _one_process(args, UPTRAIN_TEST_SIGNAL_AT=f"{k}:0:SIGINT", UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT=f"{k}:SIGINT:1.5")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    kept = f"checkpoint-{k - 1:08d}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert kept in line and line.endswith("resume=latest"), line
+    assert complete_checkpoints(run_dir)[-1].name == kept
+    assert (run_dir / "checkpoints" / f".tmp-checkpoint-{k:08d}").is_dir()  # the interrupted write, not listed
+    _resume_matches(run_dir, args, reference)
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
+    # Killed (no handler can run) while writing checkpoint 4: checkpoint 2 stays the latest.
+    need_models()
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, **{"checkpoint.every": 2, "checkpoint.keep": 1})
+    proc = _one_process(args, UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="4:SIGKILL")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]
+
+
+def test_sigusr1_on_one_of_two_processes_stops_both_at_the_same_step_and_resumes(tmp_path, reference):
+    # The signal reaches rank 1 only (as when a scheduler signals one task): both ranks agree on
+    # the step, write one checkpoint together and exit 75; two processes then resume exactly.
+    k = RNG.randint(2, 5)
+    run_dir = tmp_path / "run"
+    args = _two_process_args(run_dir)
+    proc = _two_processes(args, UPTRAIN_TEST_SIGNAL_AT=f"{k}:1:SIGUSR1")
+    assert f"exitcode  : {EXIT_PREEMPTED}" in proc.stderr, proc.stderr[-3000:]  # torchrun's report of the workers
+    assert f"stopped by SIGUSR1 after step {k} of {STEPS}" in proc.stderr, proc.stderr[-3000:]
+    assert _logged_steps(run_dir) == k
+    (checkpoint,) = complete_checkpoints(run_dir)
+    assert checkpoint.name == f"checkpoint-{k:08d}"
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    resumed = _two_processes(args + ["resume=latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = train_losses(run_dir)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def test_sigterm_during_a_checkpoint_write_on_two_processes_completes_it_then_stops(tmp_path):
+    # SIGTERM reaches rank 0 while it writes checkpoint 2: the write completes, then both stop there.
+    need_models()
+    run_dir = tmp_path / "run"
+    args = _two_process_args(run_dir, **{"checkpoint.every": 2})
+    proc = _two_processes(args, UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:SIGTERM")
+    assert f"exitcode  : {EXIT_PREEMPTED}" in proc.stderr, proc.stderr[-3000:]
+    assert f"stopped by SIGTERM after step 2 of {STEPS}" in proc.stderr
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]
+    assert _logged_steps(run_dir) == 2 and not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_after_the_same_step(tmp_path):
+    # Kubernetes and scancel signal the launcher: accelerate launch (torchrun) forwards SIGTERM to
+    # each worker in turn (they may see it at different steps), so they agree on a step, write one
+    # checkpoint and print how to continue; the launcher itself exits 1 (its SignalException).
+    need_models()
+    k = RNG.randint(2, 5)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_launch(_two_process_args(run_dir)), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while _logged_steps(run_dir) < k and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    stopped = _logged_steps(run_dir)
+    assert k <= stopped < STEPS
+    assert err.count(f"stopped by SIGTERM after step {stopped} of {STEPS}") == 1, err[-3000:]  # said once, by rank 0
+    assert [p.name for p in complete_checkpoints(run_dir)] == [f"checkpoint-{stopped:08d}"]
+    assert not (run_dir / "model").exists()
+
+
+def test_one_ctrl_c_delivered_twice_is_one_press_and_a_later_second_press_stops_at_once():
+    # A terminal sends Ctrl-C to the launcher and its workers, and the launcher forwards it again:
+    # SIGINTs within SAME_PRESS_S are one press (checkpoint and stop); one later stops at once.
+    from uptrain.train.preempt import SAME_PRESS_S, StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest().installed() as stop:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pytest.fail("one Ctrl-C delivered twice stopped at once")
+        assert stop.agreed(1) == signal.SIGINT
+        time.sleep(SAME_PRESS_S + 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, in the main thread
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handlers are back
