@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
+from uptrain.threads import add_threads_arg, start_threads
 from uptrain.units import DTYPES
 
 
@@ -41,6 +42,7 @@ class EvalResult:
     perplexity: float
     tokens: int  # number of scored tokens
     documents: int
+    threads: int = 1  # torch CPU threads it ran with
 
 
 # ---------------------------------------------------------------- pure computation
@@ -105,7 +107,8 @@ def evaluate(
     if count == 0:
         raise UsageError("no tokens to score: the data is empty or every document is one token long")
     loss = total / count
-    return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=docs)
+    return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=docs,
+                      threads=torch.get_num_threads())
 
 
 # ---------------------------------------------------------------- I/O
@@ -199,7 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
+    add_threads_arg(parser)
     args = parser.parse_args(argv)
+    start_threads(args.threads)
     max_length, stride = window_args(args, args.models)
     from uptrain.data import read_documents
 

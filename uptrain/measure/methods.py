@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from uptrain.cli import ArgParser, positive_int, prog_name, write_json
 from uptrain.convert import convert
 from uptrain.convert.calibrate import Calibration
@@ -28,6 +26,7 @@ from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.threads import add_threads_arg, start_threads
 
 # (label, method, uses calibration): every method of the converter but random (at alpha = 0 a
 # random K/V start is no contender), and fit once more calibrated on --calib text
@@ -102,11 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-length", type=positive_int, default=512, help="evaluation window (tokens)")
     p.add_argument("--stride", type=positive_int, default=256, help="evaluation stride (tokens)")
     p.add_argument("--device", default="cpu", help="torch device for calibration and evaluation")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    add_threads_arg(p, "conversion, calibration and evaluation")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start_threads(args.threads)
     for f in args.eval_data:
         if not f.is_file():
             raise UsageError(f"--eval-data file {f} does not exist")
