@@ -144,7 +144,7 @@ def test_every_command_runs_the_threads_it_was_given_and_says_so(name, tmp_path,
     # the pooled copy path builds in a worker thread, where it sets them (OpenMP's count is per thread)
     assert torch.get_num_threads() == 1 or name == "convert"
     captured = capsys.readouterr()
-    assert "CPU threads: 1 (as asked)" in captured.err
+    assert "CPU threads: 1 (as asked)" in captured.err + captured.out, captured  # convert: beside its plan
     if name == "compare":  # the evaluation ran with them too, not only the decode timing
         src, _ = json.loads((tmp_path / "c.json").read_text())
         assert src["eval"]["threads"] == 1 and src["bench"]["threads"] == 1

@@ -21,7 +21,7 @@ from uptrain.convert.hfconfig import model_shape
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
-from uptrain.threads import add_threads_arg, start_threads
+from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.units import kv_cache_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"{source} is missing; run the demo from a checkout of the repository")
     # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
     valid = read_documents(DataSource(files=[str(args.valid)]), args.stories)
+    announce_threads()
     torch.manual_seed(0)
 
     train_text = EXAMPLES / "data" / "tinystories-train-sample.txt"

@@ -53,13 +53,13 @@ def choose_threads(cpus: int, load: float, requested: int | None, max_threads: i
         return ThreadChoice(requested, f"CPU threads: {requested} (as asked)")
     if env is not None and env.strip().isdigit() and int(env) >= 1:
         return ThreadChoice(int(env), f"CPU threads: {int(env)} (OMP_NUM_THREADS; --threads N to choose)")
-    free = (cpus - load) / max(1, processes)
-    threads = max(1, min(cap, int(free + 0.5)))
+    free = int((cpus - load) / max(1, processes) + 0.5)  # CPUs the load leaves free, per process
+    threads = max(1, min(cap, free))
     why = (f"load average {load:.1f} on {cpus} CPUs" + (f", {processes} processes" if processes > 1 else ""))
-    if threads == cap:
+    if free >= cap:
         why += f": all {cap} cores" if processes == 1 else f": {cap} per process"
     else:
-        why += ", so fewer threads than cores: other jobs are using the rest"
+        why += f", so {threads} of {cap} cores: other jobs keep the rest busy"
     return ThreadChoice(threads, f"CPU threads: {threads} ({why}; --threads N to choose)")
 
 
@@ -85,12 +85,24 @@ def apply_threads(requested: int | None = None, processes: int = 1) -> ThreadCho
 
 
 def start_threads(requested: int | None) -> ThreadChoice:
-    """`apply_threads` for a command-line tool: choose, set, and print the choice on stderr."""
+    """`apply_threads` for a command-line tool, first thing, so that all its work runs with them;
+    `announce_threads` prints the choice once the input is checked (a bad input stays one line)."""
+    global _announced
+    _announced = False
+    return apply_threads(requested)
+
+
+_announced = False
+
+
+def announce_threads(stdout: bool = False) -> None:
+    """Print the choice `start_threads` made (on stderr, or stdout, e.g. as part of a plan), once."""
+    global _announced
     import sys
 
-    choice = apply_threads(requested)
-    print(choice.line, file=sys.stderr, flush=True)
-    return choice
+    if _applied is not None and not _announced:
+        print(_applied.line, file=sys.stdout if stdout else sys.stderr, flush=True)
+        _announced = True
 
 
 def applied() -> ThreadChoice | None:

@@ -99,10 +99,14 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
             with phases("import"):
                 from uptrain.convert import pipeline
                 from uptrain.convert.plan import format_plan
-                from uptrain.threads import start_threads
+                from uptrain.threads import announce_threads, start_threads
             start_threads(args.threads)
-            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel,
-                                           lambda plan: print(format_plan(plan), flush=True), **_prepare_args(args))
+
+            def show(plan: Any) -> None:
+                print(format_plan(plan), flush=True)
+                announce_threads(stdout=True)  # beside the plan
+
+            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel, show, **_prepare_args(args))
 
         planned = copy_beside(kept, writer, phases, job)
         from uptrain.convert import pipeline
@@ -190,14 +194,15 @@ def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases)
         from uptrain.convert.calibrate import Calibration
         from uptrain.convert.pipeline import prepare, write_converted
         from uptrain.convert.plan import format_plan
-        from uptrain.threads import start_threads
+        from uptrain.threads import announce_threads, start_threads
     start_threads(args.threads)  # torch is imported now; calibration and building run with these
     calibration = (Calibration(args.calib, args.calib_tokens, args.device, args.calib_text_unit)
                    if args.calib else None)
     source, plan, outputs, new_config = prepare(**_prepare_args(args, calibration))
     if not args.dry_run:
         check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
-    print(format_plan(plan))
+    print(format_plan(plan), flush=True)
+    announce_threads(stdout=True)  # beside the plan
     if args.dry_run:
         return None
     write_converted(source, plan, outputs, new_config, args.out, max_shard, phases)

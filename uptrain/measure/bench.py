@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -27,7 +28,7 @@ from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.hfconfig import model_shape
 from uptrain.measure.eval import LOAD_DTYPES, load_model
-from uptrain.threads import CpuMonitor, add_threads_arg, busy_note, machine_cpus, start_threads
+from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads
 from uptrain.units import kv_cache_bytes_per_token, parse_size
 
 
@@ -238,6 +239,10 @@ def bench_from_args(args: argparse.Namespace, paths: Sequence[str]) -> list[Benc
     """Run `bench_model` on each path with the arguments of `add_bench_args`."""
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
+    for p in paths:
+        if not (Path(p) / "config.json").is_file():
+            raise UsageError(f"model folder not found or has no config.json: {p}")
+    announce_threads()
     return [bench_model(p, args.context, args.batch, args.new_tokens, args.dtype, args.warmup,
                         args.repeats, args.memory_budget, args.device) for p in paths]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.threads import add_threads_arg, start_threads
+from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.units import DTYPES
 
 
@@ -178,16 +178,21 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
 
 
 def window_args(args: argparse.Namespace, model_paths: Sequence[str]) -> tuple[int, int]:
-    """(max_length, stride) from the arguments, defaulting to the smallest model context."""
+    """(max_length, stride) from the arguments, defaulting to the smallest model context; a
+    --max-length beyond a model's context is refused here, before any model loads."""
+    from transformers import AutoConfig
+
+    for p in model_paths:
+        if not (Path(p) / "config.json").is_file():
+            raise UsageError(f"model folder not found or has no config.json: {p}")
+    contexts = [getattr(AutoConfig.from_pretrained(p).get_text_config(), "max_position_embeddings", None)
+                for p in model_paths]
     max_length = args.max_length
     if max_length is None:
-        from transformers import AutoConfig
-
-        for p in model_paths:
-            if not (Path(p) / "config.json").is_file():
-                raise UsageError(f"model folder not found or has no config.json: {p}")
-        contexts = [getattr(AutoConfig.from_pretrained(p), "max_position_embeddings", None) or 2048 for p in model_paths]
-        max_length = min(2048, *contexts)
+        max_length = min(2048, *(c or 2048 for c in contexts))
+    for p, limit in zip(model_paths, contexts):
+        if limit and max_length > limit:
+            raise UsageError(f"{p}: --max-length {max_length} exceeds its max_position_embeddings {limit}")
     stride = args.stride or max(1, max_length // 2)
     window_spans(0, max_length, stride)  # validates the pair
     return max_length, stride
@@ -209,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from uptrain.data import read_documents
 
     texts = read_documents(source_from_args(args), args.max_documents)
+    announce_threads()
     results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
     rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]
     out = sys.stderr if args.json == "-" else sys.stdout

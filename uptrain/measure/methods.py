@@ -26,7 +26,7 @@ from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
-from uptrain.threads import add_threads_arg, start_threads
+from uptrain.threads import add_threads_arg, announce_threads, start_threads
 
 # (label, method, uses calibration): every method of the converter but random (at alpha = 0 a
 # random K/V start is no contender), and fit once more calibrated on --calib text
@@ -109,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not f.is_file():
             raise UsageError(f"--eval-data file {f} does not exist")
     texts = read_documents(DataSource(files=[str(f) for f in args.eval_data]), args.max_documents)
+    announce_threads()
     source, rows = compare_methods(args.checkpoint, args.kv_heads, texts, args.max_length, args.stride,
                                    args.calib, args.calib_tokens, args.device)
     print(markdown(source, rows))

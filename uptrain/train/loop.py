@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig, to_dict
+from uptrain.train.eta import EtaTracker, format_eta
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
@@ -333,11 +334,16 @@ def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch
 
 def _show_progress(bar: tqdm, done: int, start_step: int, plan: RunPlan, loss: float, lr: float, tok_s: float,
                    main: bool) -> None:
-    """Progress bar postfix, and an ETA line once the speed has settled (3 steps in)."""
+    """Progress bar postfix, and an ETA line from a moving window of recent step times once the
+    warm-up steps are past (`uptrain.train.eta`), printed again when it moves by a fifth."""
     bar.update(1)
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-    if done - start_step == 3 and main:
-        bar.write(f"ETA: {(plan.steps - done) * plan.tokens_per_step / tok_s / 60:.1f} min at {tok_s:,.0f} tokens/s")
+    tracker = bar.__dict__.setdefault("uptrain_eta", EtaTracker())  # one per bar: per session
+    eta = tracker.update(time.monotonic(), plan.steps - done)
+    if eta is not None and main:
+        recent = eta / (plan.steps - done)  # remaining > 0 whenever update() returns an ETA
+        bar.write(f"ETA: {format_eta(eta)} for {plan.steps - done} more steps at {recent:.2f} s/step "
+                  f"(recent steps; step {done}/{plan.steps})")
 
 
 def finish_run(run: Run, last_record: dict) -> dict:
