@@ -27,6 +27,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.hfconfig import model_shape
+from uptrain.convert.source import missing_folder_hint
 from uptrain.measure.eval import LOAD_DTYPES, load_model
 from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads
 from uptrain.units import kv_cache_bytes_per_token, parse_size
@@ -241,7 +242,7 @@ def bench_from_args(args: argparse.Namespace, paths: Sequence[str]) -> list[Benc
         raise UsageError("--warmup must be >= 0")
     for p in paths:
         if not (Path(p) / "config.json").is_file():
-            raise UsageError(f"model folder not found or has no config.json: {p}")
+            raise UsageError(f"model folder not found or has no config.json: {p}{missing_folder_hint(p)}")
     announce_threads()
     return [bench_model(p, args.context, args.batch, args.new_tokens, args.dtype, args.warmup,
                         args.repeats, args.memory_budget, args.device) for p in paths]

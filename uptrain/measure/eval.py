@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from uptrain.convert.source import missing_folder_hint
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
@@ -120,7 +121,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "cpu", with_tokeniz
     from transformers.utils import logging as hf_logging
 
     if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"model folder not found or has no config.json: {path}")
+        raise UsageError(f"model folder not found or has no config.json: {path}{missing_folder_hint(path)}")
     if dtype not in LOAD_DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; use one of {sorted(LOAD_DTYPES)}")
     try:
@@ -184,7 +185,7 @@ def window_args(args: argparse.Namespace, model_paths: Sequence[str]) -> tuple[i
 
     for p in model_paths:
         if not (Path(p) / "config.json").is_file():
-            raise UsageError(f"model folder not found or has no config.json: {p}")
+            raise UsageError(f"model folder not found or has no config.json: {p}{missing_folder_hint(p)}")
     contexts = [getattr(AutoConfig.from_pretrained(p).get_text_config(), "max_position_embeddings", None)
                 for p in model_paths]
     max_length = args.max_length
