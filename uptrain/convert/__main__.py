@@ -202,9 +202,9 @@ def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases)
     if not args.dry_run:
         check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
     print(format_plan(plan), flush=True)
-    announce_threads(stdout=True)  # beside the plan
     if args.dry_run:
         return None
+    announce_threads(stdout=True)  # beside the plan (a dry run builds nothing: no line)
     write_converted(source, plan, outputs, new_config, args.out, max_shard, phases)
     return plan
 

@@ -141,11 +141,25 @@ def tokenize_texts(tokenizer, texts: Iterable[str]) -> Iterable[torch.Tensor]:
 
 
 def source_from_args(args: argparse.Namespace) -> DataSource:
-    """The DataSource named by the data arguments of `add_data_args` (read it with `uptrain.data.read_documents`)."""
+    """The DataSource named by the data arguments of `add_data_args` (read it with `read_cli_documents`)."""
+    if bool(args.data) == bool(args.dataset):
+        raise UsageError("give the text to score as --data FILE... (local files) or --dataset NAME (a Hub "
+                         "dataset), one of the two")
     return DataSource(
         dataset=args.dataset, config=args.dataset_config, split=args.split,
         files=list(args.data or []), text_field=args.text_field, text_unit=args.text_unit,
     )
+
+
+def read_cli_documents(args: argparse.Namespace) -> list[str]:
+    """The documents of the data arguments; errors name these options, not the trainer's config keys."""
+    from uptrain.data import read_documents
+
+    try:
+        return read_documents(source_from_args(args), args.max_documents)
+    except UsageError as err:
+        raise UsageError(str(err).replace("local files (data.train.files / data.val.files)",
+                                          "local files (--data FILE...)")) from None
 
 
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
@@ -212,9 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_threads(args.threads)
     max_length, stride = window_args(args, args.models)
-    from uptrain.data import read_documents
-
-    texts = read_documents(source_from_args(args), args.max_documents)
+    texts = read_cli_documents(args)
     announce_threads()
     results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
     rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]

@@ -132,8 +132,10 @@ def paths_line(config: TrainConfig) -> str:
         if source is None:
             return f"{config.data.val_fraction:.0%} of the training documents"
         return ", ".join(str(Path(f).resolve()) for f in source.files) or f"Hub dataset {source.dataset}"
-    model = str(Path(config.model).resolve()) if Path(config.model).exists() else config.model
-    return (f"paths: model {model}; run_dir {Path(config.run_dir).resolve()}; "
+    def folder(name: str) -> str:  # a local folder resolved, a Hub id as given
+        return str(Path(name).resolve()) if Path(name).exists() else name
+    teacher = f"; teacher {folder(config.distill.teacher)}" if config.distill.teacher else ""
+    return (f"paths: model {folder(config.model)}{teacher}; run_dir {Path(config.run_dir).resolve()}; "
             f"train data {where(config.data.train)}; validation {where(config.data.val)}")
 
 
