@@ -53,8 +53,12 @@ def compare_methods(checkpoint: str, kv_heads: Sequence[int], texts: Sequence[st
                     stride: int, calib: Path | None = None, calib_tokens: int = 32768, device: str = "cpu",
                     variants: Sequence[tuple[str, str, bool]] = VARIANTS, groupings: Sequence[str] = GROUPINGS,
                     log=print) -> tuple[float, list[Row]]:
-    """(loss of the original, one Row per kv-heads x variant x grouping)."""
-    calibration = Calibration(calib, calib_tokens, device) if calib else None
+    """(loss of the original, one Row per kv-heads x variant x grouping).
+
+    Each calibrated conversion gets a Calibration of its own: one hands each layer's moments out
+    once (then forgets them, to bound memory), so it serves a single conversion.
+    """
+    calibration = Calibration(calib, calib_tokens, device) if calib else None  # checks the file now
     source = _loss(checkpoint, texts, max_length, stride, device)
     log(f"original: {source:.4f}")
     rows: list[Row] = []
@@ -67,8 +71,8 @@ def compare_methods(checkpoint: str, kv_heads: Sequence[int], texts: Sequence[st
                 for grouping in groupings:
                     start = time.perf_counter()
                     out = Path(tmp) / f"kv{kv}-{label}-{grouping}"
-                    convert(checkpoint, out, kv, method, grouping=grouping,
-                            calibration=calibration if calibrated else None)
+                    fresh = Calibration(calib, calib_tokens, device) if calibrated and calib else None
+                    convert(checkpoint, out, kv, method, grouping=grouping, calibration=fresh)
                     loss = _loss(str(out), texts, max_length, stride, device)
                     if label == "mean" and grouping == "contiguous":
                         mean_loss = loss
