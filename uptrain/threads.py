@@ -64,6 +64,7 @@ def choose_threads(cpus: int, load: float, requested: int | None, max_threads: i
 
 
 _applied: ThreadChoice | None = None
+_torch_default: int | None = None
 
 
 def apply_threads(requested: int | None = None, processes: int = 1) -> ThreadChoice:
@@ -71,13 +72,12 @@ def apply_threads(requested: int | None = None, processes: int = 1) -> ThreadCho
 
     Called once at the start of a command; the choice is kept for `applied()`.
     """
-    global _applied
+    global _applied, _torch_default
     import torch
 
-    # torch's own default (physical cores, or OMP_NUM_THREADS) before anyone changed it
-    default = getattr(apply_threads, "_torch_default", None) or torch.get_num_threads()
-    apply_threads._torch_default = default  # type: ignore[attr-defined]
-    choice = choose_threads(machine_cpus(), load_average(), requested, default, processes,
+    if _torch_default is None:  # torch's own default (one thread per physical core), before we change it
+        _torch_default = torch.get_num_threads()
+    choice = choose_threads(machine_cpus(), load_average(), requested, _torch_default, processes,
                             os.environ.get("OMP_NUM_THREADS"))
     torch.set_num_threads(choice.threads)
     _applied = choice

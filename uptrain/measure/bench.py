@@ -62,8 +62,9 @@ class DecodeResult:
         """Why this timing cannot carry a headline number (None when it can).
 
         A speed timed while other processes kept the CPUs busy (`busy`) is the first reason: a
-    competing job slows every repeat alike, so the spread cannot show it. Below MIN_DECODE_S, timer resolution, thread wake-ups and the OS scheduler
-        dominate; a spread (max - min) / median above MAX_SPREAD means another job was competing.
+        competing job slows every repeat alike, so the spread cannot show it. Below MIN_DECODE_S,
+        timer resolution, thread wake-ups and the OS scheduler dominate; a spread (max - min) /
+        median above MAX_SPREAD means another job was competing.
         """
         if self.busy:
             return self.busy

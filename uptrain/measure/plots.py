@@ -245,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgParser(prog=prog_name("uptrain.plots"), description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     p_runs = sub.add_parser("runs", help="loss vs tokens of run folders / metrics.jsonl files")
-    p_runs.add_argument("runs", nargs="+", metavar="RUN", help="run folders (with metrics.jsonl) or metrics .jsonl files")
+    p_runs.add_argument("runs", nargs="+", metavar="RUN",
+                        help="run folders (with metrics.jsonl) or metrics .jsonl files")
     p_runs.add_argument("--out", help="PNG path (default: RUN/loss.png for one run, else loss.png)")
     p_alpha = sub.add_parser("alpha", help="val_loss vs uptraining fraction from a JSON/CSV table")
     p_alpha.add_argument("table", help="JSON list or CSV with columns kv, method, alpha, val_loss")
