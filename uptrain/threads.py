@@ -160,8 +160,9 @@ def busy_note(others: float, cpus: int, threads: int) -> str | None:
     """'noisy: CPU busy ...' when a CPU timing was taken on an oversubscribed machine, else None."""
     if not oversubscribed(others, cpus, threads):
         return None
+    fewer = " or with fewer --threads" if threads > 1 else ""
     return (f"noisy: CPU busy (other processes kept {others:.1f} of {cpus} CPUs busy while it ran "
-            f"with {threads} threads; rerun on an idle machine or with fewer --threads)")
+            f"with {threads} thread{'s' * (threads > 1)}; rerun on an idle machine{fewer})")
 
 
 class CpuMonitor:
