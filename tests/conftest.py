@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,54 @@ def gqa4() -> Path:
 def original_gqa4() -> Path:
     """Karpathy's stories260K exactly as published (../shared): the reference a conversion must hit."""
     return need_shared(MODELS / "stories260K-gqa4")
+
+
+# ---------------------------------------------------------------- progress per test file
+
+SUITE_IDLE_2CORE_S = 583  # the whole suite on an idle 2-core machine (the last CI run); README says so
+_progress: dict = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Say how many files and tests will run and how long the whole suite takes when idle."""
+    files: dict[str, int] = {}
+    for item in session.items:
+        files[item.nodeid.split("::")[0]] = files.get(item.nodeid.split("::")[0], 0) + 1
+    _progress.update(left=dict(files), total=dict(files), done=0, start=time.monotonic(), file_start={})
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and files:
+        reporter.write_line(f"{len(files)} test files, {len(session.items)} tests (the whole suite: about "
+                            f"{round(SUITE_IDLE_2CORE_S / 60)} min on an idle 2-core machine)")
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    _progress.get("file_start", {}).setdefault(nodeid.split("::")[0], time.monotonic())
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    """When the last test of a file finishes: '[k/N] FILE n tests in X s (m:ss so far)'."""
+    left = _progress.get("left")
+    file = nodeid.split("::")[0]
+    if not left or file not in left:
+        return
+    left[file] -= 1
+    if left[file]:
+        return
+    _progress["done"] += 1
+    now = time.monotonic()
+    took, so_far = now - _progress["file_start"].get(file, now), int(now - _progress["start"])
+    n = _progress["total"][file]
+    reporter = _CONFIG.pluginmanager.get_plugin("terminalreporter") if _CONFIG else None
+    if reporter is not None:
+        if reporter._tw.width_of_current_line:  # after -q's dots: a line of its own
+            reporter._tw.line()
+        reporter.write_line(f"[{_progress['done']}/{len(left)}] {file} {n} test{'s' * (n != 1)} in {took:.1f} s "
+                            f"({so_far // 60}:{so_far % 60:02d} so far)", flush=True)
+
+
+_CONFIG: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _CONFIG
+    _CONFIG = config

@@ -71,3 +71,10 @@ def test_module_entry_points_run_without_import_warnings() -> None:
     proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "uptrain.convert.architectures"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("| model type(s)"), proc.stderr[-2000:]
+
+
+def test_a_run_folders_final_model_is_named_by_its_run() -> None:
+    """Issue 22: an uptrained model showed up as "model" in tables and legends."""
+    assert distinct_names(["examples/stories260K-mha8", "runs/demo-cpu/model"]) == ["stories260K-mha8", "demo-cpu/model"]
+    assert distinct_names(["runs/demo-cpu/model"]) == ["demo-cpu/model"]
+    assert distinct_names(["model"]) == ["model"]

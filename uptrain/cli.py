@@ -71,10 +71,13 @@ def write_json(obj: object, dest: str) -> None:
 
 
 def distinct_names(paths: Sequence[str]) -> list[str]:
-    """Shortest trailing path parts that tell the paths apart: runs/a/model, runs/b/model -> a/model, b/model."""
+    """Shortest trailing path parts that tell the paths apart: runs/a/model, runs/b/model -> a/model, b/model.
+
+    A training run's final model (RUN/model) always keeps its run's name: "model" alone names nothing.
+    """
     parts = [Path(str(p)).parts or (str(p),) for p in paths]
     for depth in range(1, max(len(x) for x in parts) + 1):
-        names = ["/".join(x[-depth:]) for x in parts]
+        names = ["/".join(x[-(depth + (x[-1] == "model" and depth == 1)):]) for x in parts]
         if len(set(names)) == len(names):
             return names
     return [str(p) for p in paths]

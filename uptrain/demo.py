@@ -21,6 +21,7 @@ from uptrain.convert.hfconfig import model_shape
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.units import kv_cache_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,13 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
     p.add_argument("--valid", type=Path, default=VALID,
                    help="held-out text: stories separated by blank lines (default: the shipped TinyStories sample)")
+    add_threads_arg(p, "conversion, calibration, training and evaluation")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of configs/demo-cpu.yaml")
     args = p.parse_args(argv)
+    threads = start_threads(args.threads).threads
     source = EXAMPLES / "stories260K-mha8"
     if not source.is_dir():
         raise UsageError(f"{source} is missing; run the demo from a checkout of the repository")
     # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
     valid = read_documents(DataSource(files=[str(args.valid)]), args.stories)
+    announce_threads()
     torch.manual_seed(0)
 
     train_text = EXAMPLES / "data" / "tinystories-train-sample.txt"
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
         config = load_config(CONFIG, [f"model={converted}", f"run_dir={run_dir}", "overwrite=true",
                                       f"data.train.files=[{data / 'tinystories-train-sample.txt'}]",
-                                      f"data.val.files=[{args.valid}]", *distill,
+                                      f"data.val.files=[{args.valid}]", *distill, f"threads={threads}",
                                       *args.overrides])
         train(config)
         kd = f", distilled alpha_kd {args.alpha_kd}" if args.alpha_kd > 0 else ""

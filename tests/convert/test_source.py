@@ -66,8 +66,24 @@ def test_hub_id_not_cached_says_so_and_suggests_a_local_path(mha8, tmp_path):
     for args in (["uptrain-test/missing"], ["uptrain-test/stories", "--revision", "v2"]):
         proc = run_cli([*args, "--kv-heads", "4", "--out", str(tmp_path / "out")], cache)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-        assert "cannot reach the Hugging Face Hub" in proc.stderr and "local checkpoint folder" in proc.stderr
+        # offline, the Hub was not tried: say so, not "cannot reach"
+        assert "not in the local Hub cache (offline: HF_HUB_OFFLINE=1)" in proc.stderr, proc.stderr
+        assert "cannot reach" not in proc.stderr and "local checkpoint folder" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("typo", ["examples/stories260K-mha", "./examples/stories260K-mha",
+                                  "examples/Stories260K-mha8", "ABSOLUTE/examples/stories260K-mhb8"])
+def test_a_mistyped_local_path_names_the_near_folder_not_the_hub(typo, mha8, tmp_path, monkeypatch, capsys):
+    """Issue 22: `examples/stories260K-mha` (one character off) was reported as a Hub problem."""
+    (tmp_path / "examples").mkdir()
+    shutil.copytree(mha8, tmp_path / "examples" / "stories260K-mha8")
+    monkeypatch.chdir(tmp_path)
+    typo = typo.replace("ABSOLUTE", str(tmp_path))
+    assert main([typo, "--kv-heads", "4", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Hub" not in err, err
+    assert f"no folder {typo}; did you mean " in err and "stories260K-mha8?" in err
 
 
 @pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
@@ -203,4 +219,4 @@ def test_hub_dry_run_offline_uses_the_cached_weights(mha8, tmp_path):
     snapshot_file.unlink()
     proc = run_cli(["uptrain-test/stories", "--kv-heads", "2", "--dry-run"], cache)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "cannot reach the Hugging Face Hub" in proc.stderr
+    assert "not in the local Hub cache (offline: HF_HUB_OFFLINE=1)" in proc.stderr

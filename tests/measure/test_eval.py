@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,32 @@ def test_text_unit_decides_what_a_document_is(tmp_path: Path) -> None:
         documents[unit] = row["documents"]
     assert documents == {None: 2, "line": 4, "paragraph": 2, "file": 1}
     assert main([str(EXAMPLE_MHA8), "--data", str(data), "--text-unit", "sentence"]) == 2  # names the choices
+
+
+def test_a_mistyped_model_folder_or_a_run_folder_gets_a_suggestion(tmp_path, capsys):
+    """Issue 22: a typo names the near folder; a training run's folder points at its /model."""
+    run = tmp_path / "runs" / "demo-cpu"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(built_gqa4(), run / "model")
+    assert main([str(tmp_path / "runs" / "demo-cpv"), "--data", str(VALID)]) == 2
+    assert main([str(run), "--data", str(VALID)]) == 2
+    typo, whole_run = capsys.readouterr().err.strip().splitlines()
+    assert f"did you mean {run}?" in typo
+    assert f"did you mean {run / 'model'}" in whole_run and "final model" in whole_run
+
+
+def test_data_errors_name_the_command_line_options(capsys, monkeypatch):
+    """Issue 22: eval's errors named the trainer's config keys; compare's did not name --data/--dataset."""
+    from uptrain.measure import compare
+
+    gqa = str(built_gqa4())
+    assert main([gqa]) == 2
+    assert compare.main([str(EXAMPLE_MHA8), gqa]) == 2
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert "--data" in line and "--dataset" in line, line
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)  # a Hub nobody answers
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    assert main([gqa, "--dataset", "org/data"]) == 2
+    err = capsys.readouterr().err
+    assert "--data FILE" in err and "data.train.files" not in err, err

@@ -33,3 +33,14 @@ def test_convert_does_not_import_measure_or_train():
     imports = re.compile(r"^\s*(?:from|import)\s+uptrain\.(?:measure|train)\b", re.M)
     for path in (REPO / "uptrain" / "convert").glob("*.py"):
         assert not imports.search(path.read_text()), path.name
+
+
+def test_calibrated_fit_with_both_groupings_and_two_head_counts(one_torch_thread):
+    """fit+calib runs once per (kv heads, grouping): each conversion needs the calibration's moments
+    (a Calibration hands each layer's out once; reusing one failed the README's bake-off)."""
+    texts = [t for t in VALID.read_text().splitlines() if t.strip()][:1]
+    train = REPO / "examples" / "data" / "tinystories-train-sample.txt"
+    source, rows = compare_methods(str(MHA8), [4, 2], texts, 64, 32, calib=train, calib_tokens=256,
+                                   variants=(("fit+calib", "fit", True),), log=lambda *_: None)
+    assert [(r.kv_heads, r.grouping) for r in rows] == [(4, "contiguous"), (4, "similar"),
+                                                       (2, "contiguous"), (2, "similar")]

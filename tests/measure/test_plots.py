@@ -96,5 +96,39 @@ def test_distillation_runs_plot_lm_loss_and_kd_apart(tmp_path: Path) -> None:
 
 def test_bench_labels_tell_same_named_folders_apart(tmp_path: Path) -> None:
     rows = [{"model": f"runs/{name}/model", "kv_heads": 2, "kv_bytes": {"64": 1}, "decode": []} for name in ("a", "b")]
+    fig = plots.plot_kv_bytes(rows, tmp_path / "kv.png")  # one context: a bar per model, named below it
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["a/model (2 kv)", "b/model (2 kv)"]
+
+
+def test_one_context_gives_bars_not_single_points_and_kv_axis_in_binary_units(tmp_path: Path) -> None:
+    """Issue 22: `compare --context 256` drew a lone dot per line; the KV axis was in raw bytes."""
+    rows = [{"model": f"runs/{name}/model", "kv_heads": kv, "kv_bytes": {"256": 2560 * kv * 256},
+             "decode": [{"batch": b, "context": 256, "decode_tokens_per_s": 100.0 * b / kv} for b in (1, 8)]}
+            for name, kv in (("mha", 8), ("gqa", 2))]
     fig = plots.plot_kv_bytes(rows, tmp_path / "kv.png")
-    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a/model (2 kv)", "b/model (2 kv)"]
+    ax = fig.axes[0]
+    assert not ax.get_lines() and len(ax.patches) == 2  # one bar per model
+    assert "256" in ax.get_xlabel() or "256" in ax.get_title()
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert any(t.endswith(("KiB", "MiB")) for t in ticks), ticks
+    fig = plots.plot_decode_speed(rows, tmp_path / "speed.png")
+    assert not fig.axes[0].get_lines() and len(fig.axes[0].patches) == 4  # 2 models x 2 batch sizes
+
+
+def test_kv_axis_of_a_line_plot_is_in_binary_units(tmp_path: Path) -> None:
+    rows = [{"model": "m", "kv_heads": 8, "kv_bytes": {"64": 2 * 2**20, "256": 8 * 2**20}, "decode": []}]
+    fig = plots.plot_kv_bytes(rows, tmp_path / "kv.png")
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]
+    assert ticks and all(t.endswith((" B", "KiB", "MiB", "GiB")) for t in ticks) and "8 MiB" in ticks, ticks
+
+
+def test_every_positional_argument_of_plots_has_help(capsys) -> None:
+    for what, name in (("runs", "RUN"), ("alpha", "table"), ("bench", "json")):
+        with pytest.raises(SystemExit):
+            plots.main([what, "--help"])
+        usage = capsys.readouterr().out
+        block = usage.split("positional arguments:")[1].split("options:")[0]
+        names = [line.split(None, 1) for line in block.splitlines() if line.startswith("  ") and not line.startswith("    ")]
+        assert names and all(len(n) == 2 for n in names), usage  # "  NAME  help", not a bare "  NAME"

@@ -63,5 +63,5 @@ def test_hub_id_not_in_the_cache_offline_is_one_line_exit_2(hub_cache, tmp_path)
         run_dir = tmp_path / "missing"
         proc = _train(tiny_overrides(run_dir, steps=1, **{"optim.warmup_steps": 0, **extra}), hub_cache)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
-        assert "cannot reach the Hugging Face Hub" in proc.stderr and "missing" in proc.stderr
+        assert "not in the local Hub cache (offline: HF_HUB_OFFLINE=1)" in proc.stderr and "missing" in proc.stderr
         assert not run_dir.exists()

@@ -167,3 +167,19 @@ def test_the_plan_says_how_many_cpu_threads_run(tmp_path, capsys):
     assert "CPU threads per process: 1" in capsys.readouterr().out
     with pytest.raises(UsageError, match="threads must be at least 1"):
         load_config(DEMO, ["threads=0"])
+
+
+def test_the_plans_paths_line_names_the_teacher():
+    """Issue 22: the plan's `paths:` line named the model but not the teacher it distils from."""
+    from uptrain.train.setup import paths_line
+
+    assert f"teacher {MHA8}" in paths_line(load_config(DEMO, [f"distill.teacher={MHA8}"]))
+    assert "teacher" not in paths_line(load_config(DEMO, ["distill.teacher=null"]))
+
+
+def test_without_threads_the_plan_says_what_it_chose_from_the_load(tmp_path, capsys, monkeypatch):
+    need_models()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert main([str(DEMO), *tiny_overrides(tmp_path / "run", steps=2, **{"optim.warmup_steps": 1})]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU threads per process:"))
+    assert "load average" in line and "config: threads" in line, line

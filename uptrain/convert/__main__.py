@@ -24,7 +24,7 @@ from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from uptrain.cli import ArgParser, prog_name
+from uptrain.cli import ArgParser, positive_int, prog_name
 from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
 from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing (a Hub id: reads only config and safetensors headers)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads for building and calibration (default: the cores the load average "
+                        "leaves free, at least 1; OMP_NUM_THREADS is honoured)")
     p.add_argument("--verbose", action="store_true", help="print the time of each phase (also in the record)")
     return p
 
@@ -96,9 +99,14 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
             with phases("import"):
                 from uptrain.convert import pipeline
                 from uptrain.convert.plan import format_plan
+                from uptrain.threads import announce_threads, start_threads
+            start_threads(args.threads)
 
-            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel,
-                                           lambda plan: print(format_plan(plan), flush=True), **_prepare_args(args))
+            def show(plan: Any) -> None:
+                print(format_plan(plan), flush=True)
+                announce_threads(stdout=True)  # beside the plan
+
+            return pipeline.plan_and_build(tmp, kept, max_shard, phases, cancel, show, **_prepare_args(args))
 
         planned = copy_beside(kept, writer, phases, job)
         from uptrain.convert import pipeline
@@ -186,14 +194,17 @@ def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases)
         from uptrain.convert.calibrate import Calibration
         from uptrain.convert.pipeline import prepare, write_converted
         from uptrain.convert.plan import format_plan
+        from uptrain.threads import announce_threads, start_threads
+    start_threads(args.threads)  # torch is imported now; calibration and building run with these
     calibration = (Calibration(args.calib, args.calib_tokens, args.device, args.calib_text_unit)
                    if args.calib else None)
     source, plan, outputs, new_config = prepare(**_prepare_args(args, calibration))
     if not args.dry_run:
         check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
-    print(format_plan(plan))
+    print(format_plan(plan), flush=True)
     if args.dry_run:
         return None
+    announce_threads(stdout=True)  # beside the plan (a dry run builds nothing: no line)
     write_converted(source, plan, outputs, new_config, args.out, max_shard, phases)
     return plan
 

@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -26,7 +27,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.hfconfig import model_shape
+from uptrain.convert.source import missing_folder_hint
 from uptrain.measure.eval import LOAD_DTYPES, load_model
+from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads
 from uptrain.units import kv_cache_bytes_per_token, parse_size
 
 
@@ -45,6 +48,8 @@ class DecodeResult:
     generate_tokens_per_s: float  # batch x new_tokens / whole generate call (prefill included)
     times_s: list[float] = field(default_factory=list)  # whole generate call, per repeat
     decode_times_s: list[float] = field(default_factory=list)  # decode part, per repeat
+    cpu_busy_others: float | None = None  # CPUs other processes kept busy while timing (None: not measured)
+    busy: str | None = None  # "noisy: CPU busy ..." when those and our threads oversubscribed the CPUs
 
     @property
     def decode_range(self) -> tuple[float, float]:
@@ -56,9 +61,13 @@ class DecodeResult:
     def unreliable(self) -> str | None:
         """Why this timing cannot carry a headline number (None when it can).
 
-        Below MIN_DECODE_S per repeat, timer resolution, thread wake-ups and the OS scheduler
-        dominate; a spread (max - min) / median above MAX_SPREAD means another job was competing.
+        A speed timed while other processes kept the CPUs busy (`busy`) is the first reason: a
+        competing job slows every repeat alike, so the spread cannot show it. Below MIN_DECODE_S,
+        timer resolution, thread wake-ups and the OS scheduler dominate; a spread (max - min) /
+        median above MAX_SPREAD means another job was competing.
         """
+        if self.busy:
+            return self.busy
         if not self.decode_times_s:
             return None
         median = statistics.median(self.decode_times_s)
@@ -137,6 +146,8 @@ def decode_throughput(model: torch.nn.Module, batch: int, context: int, new_toke
 
     Decode speed counts only the steps after the first new token (the first one pays the
     prefill); generate speed is over the whole call. Medians over `repeats` after `warmup` runs.
+    On CPU the timed runs are watched (`CpuMonitor`): a speed measured while other processes and
+    our threads oversubscribed the CPUs is flagged in `busy`, not refused.
     """
     if new_tokens < 2:
         raise UsageError("--new-tokens must be at least 2 to time decoding")
@@ -146,7 +157,10 @@ def decode_throughput(model: torch.nn.Module, batch: int, context: int, new_toke
     pad = pad[0] if isinstance(pad, list) else pad
     totals, decodes = [], []
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    monitor = CpuMonitor() if model.device.type == "cpu" else None
     for i in range(warmup + repeats):
+        if i == warmup and monitor is not None:
+            monitor.__enter__()
         clock = _StepClock()
         sync()
         start = time.perf_counter()
@@ -159,11 +173,16 @@ def decode_throughput(model: torch.nn.Module, batch: int, context: int, new_toke
         if i >= warmup:
             totals.append(end - start)
             decodes.append(clock.times[-1] - clock.times[0])
+    others = busy = None
+    if monitor is not None:
+        monitor.__exit__(None, None, None)
+        others = round(monitor.others, 2)
+        busy = busy_note(monitor.others, machine_cpus(), torch.get_num_threads())
     return DecodeResult(
         batch=batch, context=context, new_tokens=new_tokens,
         decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decodes),
         generate_tokens_per_s=batch * new_tokens / statistics.median(totals), times_s=totals,
-        decode_times_s=decodes,
+        decode_times_s=decodes, cpu_busy_others=others, busy=busy,
     )
 
 
@@ -214,7 +233,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budget", type=parse_size, default=None, help="e.g. 24GB: report the largest batch that fits")
     g.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")
     g.add_argument("--device", default="cpu", help="torch device for the benchmark, e.g. cpu, cuda")
-    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_arg(g)
     g.add_argument("--plot", metavar="DIR", help="write kv-bytes.png and decode-speed.png into DIR")
 
 
@@ -222,8 +241,10 @@ def bench_from_args(args: argparse.Namespace, paths: Sequence[str]) -> list[Benc
     """Run `bench_model` on each path with the arguments of `add_bench_args`."""
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    for p in paths:
+        if not (Path(p) / "config.json").is_file():
+            raise UsageError(f"model folder not found or has no config.json: {p}{missing_folder_hint(p)}")
+    announce_threads()
     return [bench_model(p, args.context, args.batch, args.new_tokens, args.dtype, args.warmup,
                         args.repeats, args.memory_budget, args.device) for p in paths]
 
@@ -269,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_bench_args(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     args = parser.parse_args(argv)
+    start_threads(args.threads)
     results = bench_from_args(args, args.models)
     print(bench_tables(results), file=sys.stderr if args.json == "-" else sys.stdout)
     write_outputs(args, [asdict(r) for r in results], [asdict(r) for r in results])

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from uptrain.measure.bench import BenchResult, add_bench_args, bench_from_args, write_outputs
 from uptrain.errors import exit_on_usage_error
 from uptrain.cli import ArgParser, distinct_names, format_table, prog_name
-from uptrain.data import read_documents
-from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, source_from_args, window_args
+from uptrain.threads import announce_threads, start_threads
+from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, read_cli_documents, window_args
 
 
 @dataclass
@@ -104,9 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_bench_args(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     args = parser.parse_args(argv)
+    start_threads(args.threads)  # before the evaluation: the one setting covers all the work
     paths = [args.source, *args.gqa]
     max_length, stride = window_args(args, paths)
-    texts = read_documents(source_from_args(args), args.max_documents)
+    texts = read_cli_documents(args)
+    announce_threads()
     evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device)
     benches = bench_from_args(args, paths)
     rows = compare(evals, benches)

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from uptrain.convert.source import missing_folder_hint
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
+from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.units import DTYPES
 
 
@@ -41,6 +43,7 @@ class EvalResult:
     perplexity: float
     tokens: int  # number of scored tokens
     documents: int
+    threads: int = 1  # torch CPU threads it ran with
 
 
 # ---------------------------------------------------------------- pure computation
@@ -105,7 +108,8 @@ def evaluate(
     if count == 0:
         raise UsageError("no tokens to score: the data is empty or every document is one token long")
     loss = total / count
-    return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=docs)
+    return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=docs,
+                      threads=torch.get_num_threads())
 
 
 # ---------------------------------------------------------------- I/O
@@ -117,7 +121,7 @@ def load_model(path: str, dtype: str = "auto", device: str = "cpu", with_tokeniz
     from transformers.utils import logging as hf_logging
 
     if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"model folder not found or has no config.json: {path}")
+        raise UsageError(f"model folder not found or has no config.json: {path}{missing_folder_hint(path)}")
     if dtype not in LOAD_DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; use one of {sorted(LOAD_DTYPES)}")
     try:
@@ -137,11 +141,25 @@ def tokenize_texts(tokenizer, texts: Iterable[str]) -> Iterable[torch.Tensor]:
 
 
 def source_from_args(args: argparse.Namespace) -> DataSource:
-    """The DataSource named by the data arguments of `add_data_args` (read it with `uptrain.data.read_documents`)."""
+    """The DataSource named by the data arguments of `add_data_args` (read it with `read_cli_documents`)."""
+    if bool(args.data) == bool(args.dataset):
+        raise UsageError("give the text to score as --data FILE... (local files) or --dataset NAME (a Hub "
+                         "dataset), one of the two")
     return DataSource(
         dataset=args.dataset, config=args.dataset_config, split=args.split,
         files=list(args.data or []), text_field=args.text_field, text_unit=args.text_unit,
     )
+
+
+def read_cli_documents(args: argparse.Namespace) -> list[str]:
+    """The documents of the data arguments; errors name these options, not the trainer's config keys."""
+    from uptrain.data import read_documents
+
+    try:
+        return read_documents(source_from_args(args), args.max_documents)
+    except UsageError as err:
+        raise UsageError(str(err).replace("local files (data.train.files / data.val.files)",
+                                          "local files (--data FILE...)")) from None
 
 
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
@@ -175,16 +193,21 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
 
 
 def window_args(args: argparse.Namespace, model_paths: Sequence[str]) -> tuple[int, int]:
-    """(max_length, stride) from the arguments, defaulting to the smallest model context."""
+    """(max_length, stride) from the arguments, defaulting to the smallest model context; a
+    --max-length beyond a model's context is refused here, before any model loads."""
+    from transformers import AutoConfig
+
+    for p in model_paths:
+        if not (Path(p) / "config.json").is_file():
+            raise UsageError(f"model folder not found or has no config.json: {p}{missing_folder_hint(p)}")
+    contexts = [getattr(AutoConfig.from_pretrained(p).get_text_config(), "max_position_embeddings", None)
+                for p in model_paths]
     max_length = args.max_length
     if max_length is None:
-        from transformers import AutoConfig
-
-        for p in model_paths:
-            if not (Path(p) / "config.json").is_file():
-                raise UsageError(f"model folder not found or has no config.json: {p}")
-        contexts = [getattr(AutoConfig.from_pretrained(p), "max_position_embeddings", None) or 2048 for p in model_paths]
-        max_length = min(2048, *contexts)
+        max_length = min(2048, *(c or 2048 for c in contexts))
+    for p, limit in zip(model_paths, contexts):
+        if limit and max_length > limit:
+            raise UsageError(f"{p}: --max-length {max_length} exceeds its max_position_embeddings {limit}")
     stride = args.stride or max(1, max_length // 2)
     window_spans(0, max_length, stride)  # validates the pair
     return max_length, stride
@@ -199,11 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
+    add_threads_arg(parser)
     args = parser.parse_args(argv)
+    start_threads(args.threads)
     max_length, stride = window_args(args, args.models)
-    from uptrain.data import read_documents
-
-    texts = read_documents(source_from_args(args), args.max_documents)
+    texts = read_cli_documents(args)
+    announce_threads()
     results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
     rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]
     out = sys.stderr if args.json == "-" else sys.stdout

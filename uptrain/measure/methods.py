@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from uptrain.cli import ArgParser, positive_int, prog_name, write_json
 from uptrain.convert import convert
 from uptrain.convert.calibrate import Calibration
@@ -28,6 +26,7 @@ from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.threads import add_threads_arg, announce_threads, start_threads
 
 # (label, method, uses calibration): every method of the converter but random (at alpha = 0 a
 # random K/V start is no contender), and fit once more calibrated on --calib text
@@ -54,8 +53,12 @@ def compare_methods(checkpoint: str, kv_heads: Sequence[int], texts: Sequence[st
                     stride: int, calib: Path | None = None, calib_tokens: int = 32768, device: str = "cpu",
                     variants: Sequence[tuple[str, str, bool]] = VARIANTS, groupings: Sequence[str] = GROUPINGS,
                     log=print) -> tuple[float, list[Row]]:
-    """(loss of the original, one Row per kv-heads x variant x grouping)."""
-    calibration = Calibration(calib, calib_tokens, device) if calib else None
+    """(loss of the original, one Row per kv-heads x variant x grouping).
+
+    Each calibrated conversion gets a Calibration of its own: one hands each layer's moments out
+    once (then forgets them, to bound memory), so it serves a single conversion.
+    """
+    calibration = Calibration(calib, calib_tokens, device) if calib else None  # checks the file now
     source = _loss(checkpoint, texts, max_length, stride, device)
     log(f"original: {source:.4f}")
     rows: list[Row] = []
@@ -68,8 +71,8 @@ def compare_methods(checkpoint: str, kv_heads: Sequence[int], texts: Sequence[st
                 for grouping in groupings:
                     start = time.perf_counter()
                     out = Path(tmp) / f"kv{kv}-{label}-{grouping}"
-                    convert(checkpoint, out, kv, method, grouping=grouping,
-                            calibration=calibration if calibrated else None)
+                    fresh = Calibration(calib, calib_tokens, device) if calibrated and calib else None
+                    convert(checkpoint, out, kv, method, grouping=grouping, calibration=fresh)
                     loss = _loss(str(out), texts, max_length, stride, device)
                     if label == "mean" and grouping == "contiguous":
                         mean_loss = loss
@@ -102,15 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-length", type=positive_int, default=512, help="evaluation window (tokens)")
     p.add_argument("--stride", type=positive_int, default=256, help="evaluation stride (tokens)")
     p.add_argument("--device", default="cpu", help="torch device for calibration and evaluation")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    add_threads_arg(p, "conversion, calibration and evaluation")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start_threads(args.threads)
     for f in args.eval_data:
         if not f.is_file():
             raise UsageError(f"--eval-data file {f} does not exist")
     texts = read_documents(DataSource(files=[str(f) for f in args.eval_data]), args.max_documents)
+    announce_threads()
     source, rows = compare_methods(args.checkpoint, args.kv_heads, texts, args.max_length, args.stride,
                                    args.calib, args.calib_tokens, args.device)
     print(markdown(source, rows))

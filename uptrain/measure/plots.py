@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
@@ -156,24 +158,62 @@ def _labels(bench_rows: Sequence[Mapping]) -> list[str]:
     return [f"{name} ({row['kv_heads']} kv)" for name, row in zip(names, bench_rows)]
 
 
+def binary_size(n: float, _pos: object = None) -> str:
+    """'512 B', '1.5 KiB', '8 MiB': a byte count for an axis tick."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _bars(ax, series: Sequence[tuple[str, float]], **style) -> None:
+    """One bar per (label, value): a series measured at a single context is a bar, not a lone dot."""
+    ax.bar(range(len(series)), [v for _, v in series], color=[f"C{i}" for i in range(len(series))], **style)
+    ax.set_xticks(range(len(series)), [label for label, _ in series], rotation=20, ha="right", fontsize=8)
+
+
 def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
-    """Measured KV-cache bytes (batch 1) vs context length, one line per model.
+    """Measured KV-cache size (batch 1) vs context length, one line per model (one bar per model
+    when every model was measured at a single context); the axis in B/KiB/MiB/GiB.
 
     `bench_rows`: `dataclasses.asdict(BenchResult)` dicts (context keys may be strings, as in JSON).
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, label in zip(bench_rows, _labels(bench_rows)):
-        pts = sorted((int(c), b) for c, b in row["kv_bytes"].items())
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set(xlabel="context length (tokens)", ylabel="KV-cache bytes (batch 1)", title="KV-cache size")
+    contexts = {int(c) for row in bench_rows for c in row["kv_bytes"]}
+    if len(contexts) == 1:
+        (context,) = contexts
+        _bars(ax, [(label, b) for row, label in zip(bench_rows, _labels(bench_rows)) for b in row["kv_bytes"].values()])
+        ax.set(xlabel=f"model (context {context} tokens)")
+    else:
+        for row, label in zip(bench_rows, _labels(bench_rows)):
+            pts = sorted((int(c), b) for c, b in row["kv_bytes"].items())
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set(xlabel="context length (tokens)")
+        ax.legend(fontsize=8)
+    top = max((b for row in bench_rows for b in row["kv_bytes"].values()), default=1) or 1
+    unit = 1024 ** min(3, int(math.log(top, 1024)))  # round ticks in the unit the labels use
+    ticks = matplotlib.ticker.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, top / unit)
+    ax.yaxis.set_major_locator(matplotlib.ticker.MultipleLocator((ticks[1] - ticks[0]) * unit))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(binary_size))
+    ax.set(ylabel="KV-cache size (batch 1)", title="KV-cache size")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     return _save(fig, out)
 
 
 def plot_decode_speed(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
-    """Median decode tokens/s vs context length, one line per (model, batch)."""
+    """Median decode tokens/s vs context length, one line per (model, batch); one bar per (model,
+    batch) when every timing is at a single context."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = {d["context"] for row in bench_rows for d in row["decode"]}
+    if len(contexts) == 1:
+        (context,) = contexts
+        _bars(ax, [(f"{label}, batch {d['batch']}", d["decode_tokens_per_s"])
+                   for row, label in zip(bench_rows, _labels(bench_rows)) for d in row["decode"]])
+        ax.set(xlabel=f"model, batch (context {context} tokens)", ylabel="decode tokens/s (median)",
+               title="Decode throughput", yscale="log")
+        ax.grid(alpha=0.3)
+        return _save(fig, out)
     styles = ["-", "--", ":", "-."]
     for i, (row, label) in enumerate(zip(bench_rows, _labels(bench_rows))):  # colour: model; style: batch
         by_batch: dict[int, list[tuple[int, float]]] = defaultdict(list)
@@ -205,14 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgParser(prog=prog_name("uptrain.plots"), description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     p_runs = sub.add_parser("runs", help="loss vs tokens of run folders / metrics.jsonl files")
-    p_runs.add_argument("runs", nargs="+", metavar="RUN")
+    p_runs.add_argument("runs", nargs="+", metavar="RUN",
+                        help="run folders (with metrics.jsonl) or metrics .jsonl files")
     p_runs.add_argument("--out", help="PNG path (default: RUN/loss.png for one run, else loss.png)")
     p_alpha = sub.add_parser("alpha", help="val_loss vs uptraining fraction from a JSON/CSV table")
-    p_alpha.add_argument("table")
+    p_alpha.add_argument("table", help="JSON list or CSV with columns kv, method, alpha, val_loss")
     p_alpha.add_argument("--reference", type=float, default=None, help="source model loss")
     p_alpha.add_argument("--out", default="quality-vs-alpha.png")
     p_bench = sub.add_parser("bench", help="KV bytes and decode speed from bench --json output")
-    p_bench.add_argument("json")
+    p_bench.add_argument("json", help="the --json output of uptrain.bench or uptrain.compare")
     p_bench.add_argument("--out", default=".", help="folder for kv-bytes.png and decode-speed.png")
     p_bench.add_argument("--prefix", default="", help="prefix of the two file names")
     args = parser.parse_args(argv)

@@ -151,7 +151,7 @@ class TrainConfig:
     # [{trainable: kv, tokens: 1e6}]), then `trainable` for the rest of the budget
     shard: str | None = None  # fsdp2: the trainer fully_shards the model itself (one or more processes, also
     # CPU/gloo; mixed_precision bf16: bf16 compute, fp32 gradient reduction and master weights)
-    threads: int | None = None  # torch CPU threads per process; None: torch's default (all cores).
+    threads: int | None = None  # torch CPU threads per process; None: chosen from the load (uptrain.threads)
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
@@ -194,7 +194,7 @@ class TrainConfig:
              "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
             (self.log.every >= 1, "log.every must be at least 1"),
             (self.shard in (None, "fsdp2"), f"shard must be fsdp2 or null, got {self.shard!r}"),
-            (self.threads is None or self.threads >= 1, "threads must be at least 1 (or null: torch's default)"),
+            (self.threads is None or self.threads >= 1, "threads must be at least 1 (or null: chosen from the load)"),
             (set(self.log.log_with) <= {"tensorboard", "wandb"},
              f"log.log_with takes tensorboard and/or wandb, got {self.log.log_with}"),
         ]

@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig, to_dict
 from uptrain.train.health import StepHealth, TrainingDiverged, check_finite  # noqa: F401 (TrainingDiverged: public here)
+from uptrain.train.eta import EtaTracker, format_eta
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
@@ -254,7 +255,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
     bar = tqdm(total=plan.steps, initial=start_step,
                disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
     t_start, tokens_seen, record = time.time(), 0, {}
-    health, eta_shown = StepHealth(accelerator.device), False
+    health, eta = StepHealth(accelerator.device), EtaTracker()
     current = None
     for step in range(start_step, plan.steps):
         done = step + 1
@@ -309,10 +310,12 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
         if stats is not None:
             tok_s = tokens_seen / (time.time() - t_start)  # after a host sync: the device work is done
             bar.set_postfix(loss=f"{stats.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
-            if not eta_shown and done - start_step >= 3 and accelerator.is_main_process:
-                eta_shown = True  # the speed has settled: at the first sync point 3 or more steps in
-                bar.write(f"ETA: {(plan.steps - done) * plan.tokens_per_step / tok_s / 60:.1f} min "
-                          f"at {tok_s:,.0f} tokens/s")
+        # ETA from a moving window of recent step times past the warm-up (uptrain.train.eta); between
+        # sync points the host runs ahead of the device, the step at the sync point absorbs the wait
+        left = eta.update(time.monotonic(), plan.steps - done)
+        if left is not None and accelerator.is_main_process:
+            bar.write(f"ETA: {format_eta(left)} for {plan.steps - done} more steps at "
+                      f"{left / (plan.steps - done):.2f} s/step (recent steps; step {done}/{plan.steps})")
         if log_now:
             record = {"step": done, "loss": stats.loss, "lm_loss": stats.lm, "lr": lr,
                       "tokens": done * plan.tokens_per_step, "tok_per_s": tok_s}

@@ -25,6 +25,7 @@ from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.train.config import OptimConfig, TrainConfig
 from uptrain.train.runtime import caches_filled_in_turn
 from uptrain.train.trainable import check_trainable_model, param_shape
+from uptrain.threads import applied as applied_threads, apply_threads as apply_cpu_threads
 
 
 @dataclass
@@ -132,27 +133,29 @@ def paths_line(config: TrainConfig) -> str:
         if source is None:
             return f"{config.data.val_fraction:.0%} of the training documents"
         return ", ".join(str(Path(f).resolve()) for f in source.files) or f"Hub dataset {source.dataset}"
-    model = str(Path(config.model).resolve()) if Path(config.model).exists() else config.model
-    return (f"paths: model {model}; run_dir {Path(config.run_dir).resolve()}; "
+    def folder(name: str) -> str:  # a local folder resolved, a Hub id as given
+        return str(Path(name).resolve()) if Path(name).exists() else name
+    teacher = f"; teacher {folder(config.distill.teacher)}" if config.distill.teacher else ""
+    return (f"paths: model {folder(config.model)}{teacher}; run_dir {Path(config.run_dir).resolve()}; "
             f"train data {where(config.data.train)}; validation {where(config.data.val)}")
 
 
 def apply_threads(threads: int | None) -> None:
-    """Set torch's CPU threads per process (`threads` config field; None keeps torch's default)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
+    """Set torch's CPU threads per process: the `threads` config field, else OMP_NUM_THREADS, else
+    the CPUs the load average leaves free shared among this machine's processes of the run
+    (`uptrain.threads.choose_threads`; with more threads than free cores they wait on each other
+    at every operation)."""
+    apply_cpu_threads(threads, processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 def cpu_threads_line(threads: int | None) -> str:
-    """What runs, warning when other jobs already keep the CPUs busy (then fewer threads are
-    faster: with more threads than free cores they wait on each other at every operation)."""
-    line = f"CPU threads per process: {torch.get_num_threads()}" + ("" if threads else " (torch's default; config: threads)")
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > cores and torch.get_num_threads() > 1:
-        line += (f"; the load average is {load:.1f} on {cores} CPUs, so other jobs compete: "
-                 f"threads=1 (or OMP_NUM_THREADS=1) is likely faster")
-    return line
+    """The plan's line: how many threads each process runs and why."""
+    choice = applied_threads()
+    if choice is None or choice.threads != torch.get_num_threads():
+        return f"CPU threads per process: {torch.get_num_threads()}"
+    how = choice.line.removeprefix(f"CPU threads: {choice.threads} ")
+    how = how.replace("--threads N to choose", "config: threads") if threads is None else "(config: threads)"
+    return f"CPU threads per process: {choice.threads} {how}"
 
 
 def plan_run(config: TrainConfig, world: int) -> RunPlan:
