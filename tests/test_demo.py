@@ -57,11 +57,13 @@ def test_own_model_and_text_convert_uptrain_and_report(tmp_path, capsys):
     text.write_text(TRAIN_TXT.read_text())
     out = tmp_path / "demo"
     assert main(["--model", str(model), "--data", str(text), "--out", str(out), "--stories", "3",
-                 "--calib-tokens", "2048", "budget.tokens=16384", "optim.warmup_steps=2", "log.progress_bar=false"]) == 0
+                 "--calib-tokens", "2048", "budget.tokens=16384", "optim.warmup_steps=2",
+                 "log.progress_bar=false"]) == 0
     printed = capsys.readouterr().out
     assert "peak lr 0.0001" in printed and "lr_sweep" in printed  # the lr it chose and how to choose better
     losses = {name: float(loss) for name, loss in
-              re.findall(r"\| (GQA source \(4 K/V heads\)|GQA-1, converted|GQA-1, uptrained)[^|]*\| ([0-9.]+)", printed)}
+              re.findall(r"\| (GQA source \(4 K/V heads\)|GQA-1, converted|GQA-1, uptrained)[^|]*\| ([0-9.]+)",
+                         printed)}
     assert len(losses) == 3, printed  # a quarter of 4 K/V heads: 1
     assert losses["GQA-1, uptrained"] < losses["GQA-1, converted"]
     assert "| 4x " in printed and f"{text}, its last tenth (3 documents" in printed

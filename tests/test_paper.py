@@ -48,7 +48,8 @@ def test_check_on_a_clone_resolves_every_input_and_plans_every_step(clone):
 
 
 @pytest.mark.parametrize("missing, named", [
-    ("examples/data/paper/kjv-bible.txt.gz", "missing input examples/data/paper/kjv-bible.txt.gz (corpus kjv-bible.txt)"),
+    ("examples/data/paper/kjv-bible.txt.gz",
+     "missing input examples/data/paper/kjv-bible.txt.gz (corpus kjv-bible.txt)"),
     ("examples/stories260K-mha8/model.safetensors", "missing input examples/stories260K-mha8/model.safetensors"),
 ])
 def test_a_missing_input_is_one_line_and_exit_2(clone, missing, named):

@@ -149,7 +149,8 @@ def stories_steps(lay: Layout) -> list[Step]:
         conv = convert_step(gqa4, lay.runs / f"stories-kv{kv}" / "converted", kv, "mean", [build])
         up = train_step(f"uptrain stories kv{kv} on {STORIES_TOKENS:,} tokens", conv.output.parent,
                         lay.runs / f"stories-kv{kv}" / "uptrain", "configs/demo-cpu.yaml",
-                        [f"budget.tokens={STORIES_TOKENS}", f"data.train.files=[{data / 'tinystories-train-sample.txt'}]",
+                        [f"budget.tokens={STORIES_TOKENS}",
+                         f"data.train.files=[{data / 'tinystories-train-sample.txt'}]",
                          f"data.val.files=[{valid}]", "log.progress_bar=false"], STORIES_UPTRAIN_S, [conv])
         steps += [conv, score_step(lay, f"stories-kv{kv}-converted", conv.output.parent, lambda: valid,
                                    {"kv": kv, "method": "mean", "tokens": 0}, SCORE_STORIES_S, [conv]),
@@ -195,7 +196,8 @@ def model_steps(lay: Layout) -> list[Step]:
                                 [f"budget.fraction={alpha}", f"budget.pretrain_tokens={T_TOKENS}", *PAPER_RECIPE,
                                  *lay.data_overrides], alpha * T_TOKENS / TRAIN_TOK_PER_S + START_S, [prepare, start])
                 steps += [up, score_step(lay, f"{tag}-alpha{alpha}", up.output.parent, lambda: lay.val,
-                                         {"kv": kv, "method": method, "alpha": alpha}, SCORE_REFERENCE_S, [prepare, up])]
+                                         {"kv": kv, "method": method, "alpha": alpha}, SCORE_REFERENCE_S,
+                                         [prepare, up])]
     return steps
 
 
@@ -225,9 +227,9 @@ def inputs(lay: Layout, only: str | None) -> list[tuple[str, Path, str]]:
     if only in (None, "model"):
         for name in CORPORA:
             path = corpus_path(lay.corpora, name)
+            shipped = lay.corpora == EXAMPLES / "data" / "paper"
             items.append((f"corpus {name}", path, f"put {name} or {name}.gz in {_rel(lay.corpora)}, or pass "
-                          "--corpora DIR" + ("; " + restore.format(_rel(path)) if lay.corpora == EXAMPLES / "data" / "paper"
-                                             else "")))
+                          "--corpora DIR" + ("; " + restore.format(_rel(path)) if shipped else "")))
         for rel in ("configs/paper/uptrain.yaml", "configs/paper/pretrain-mha.yaml"):
             items.append((rel, REPO / rel, restore.format(rel)))
     return items
@@ -235,7 +237,8 @@ def inputs(lay: Layout, only: str | None) -> list[tuple[str, Path, str]]:
 
 def plan_text(steps: list[Step], total: int) -> str:
     done = f" ({total - len(steps)} done)" if len(steps) < total else ""
-    lines = [f"{len(steps)} of {total} steps to run{done}:"] if steps else [f"nothing to run: all {total} steps are done"]
+    lines = [f"{len(steps)} of {total} steps to run{done}:"] if steps else \
+        [f"nothing to run: all {total} steps are done"]
     lines += [f"  {s.seconds / 60:6.1f} min  {s.name}" for s in steps]
     minutes = sum(s.seconds for s in steps) / 60
     if steps:
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["model", "stories"], help="run one part only")
     p.add_argument("--check", action="store_true", help="resolve every input and print the plan; run nothing")
     p.add_argument("--fresh", action="store_true",
-                   help="recompute everything, ignoring the committed results (writes --out, default results/paper-fresh)")
+                   help="recompute everything, ignoring the committed results (writes --out, default "
+                        "results/paper-fresh)")
     p.add_argument("--out", type=Path, help="results folder (default: results/paper; with --fresh results/paper-fresh)")
     p.add_argument("--reference", type=Path,
                    help="the pretrained MHA model to convert (default: results/paper/reference-mha8; with "
@@ -261,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or (REPO / "results" / "paper-fresh" if args.fresh else COMMITTED)).absolute()
     if args.fresh and out.resolve() == COMMITTED.resolve():
         raise UsageError("--fresh recomputes the committed table into a new folder: give --out another folder "
-                         "than results/paper (to refill results/paper, delete its NAME.json files and run without --fresh)")
+                         "than results/paper (to refill results/paper, delete its NAME.json files and run "
+                         "without --fresh)")
     runs = REPO / "runs" / ("paper" if out.resolve() == COMMITTED.resolve() else out.name)
     reference = (args.reference or (out / "reference-mha8" if args.fresh else COMMITTED / "reference-mha8")).absolute()
     lay = Layout(out, runs, reference, args.corpora.absolute())
