@@ -1,9 +1,14 @@
 """The README's main job runs on what ships in the repository (no ../shared needed)."""
 
+import json
 import re
+import shutil
 
-from conftest import EXAMPLE_MHA8
-from uptrain.demo import main
+import pytest
+
+from conftest import EXAMPLE_MHA8, TRAIN_TXT, built_gqa4
+from uptrain.data import DataSource, read_documents
+from uptrain.demo import default_kv_heads, main
 from uptrain.measure.eval import evaluate_paths
 
 
@@ -31,3 +36,65 @@ def test_stories_counts_whole_stories_not_lines(tmp_path, capsys):
     shown = float(re.search(r"\| MHA source[^|]*\| ([0-9.]+)", out).group(1))
     (whole,) = evaluate_paths([str(EXAMPLE_MHA8)], stories[:2], max_length=512, stride=256)
     assert shown == round(whole.loss, 3)  # the first two stories, each scored whole
+
+
+def test_default_kv_heads_is_a_quarter_that_divides_both_head_counts():
+    for heads in (*range(1, 65), 32, 40, 64, 96, 128):
+        for kv in (k for k in range(2, heads + 1) if heads % k == 0):
+            got = default_kv_heads(heads, kv)
+            ok = [n for n in range(1, max(1, kv // 4) + 1) if kv % n == 0 and heads % n == 0]
+            assert got == max(ok), (heads, kv)
+    assert (default_kv_heads(8, 8), default_kv_heads(32, 32), default_kv_heads(40, 40), default_kv_heads(32, 8)) == \
+        (2, 8, 10, 2)
+
+
+def test_own_model_and_text_convert_uptrain_and_report(tmp_path, capsys):
+    # "your model": the real stories260K with its 4 K/V heads, in a folder of its own;
+    # "your text": a copy of the training sample under another name
+    model = tmp_path / "my-model"
+    shutil.copytree(built_gqa4(), model)
+    text = tmp_path / "my-text.txt"
+    text.write_text(TRAIN_TXT.read_text())
+    out = tmp_path / "demo"
+    assert main(["--model", str(model), "--data", str(text), "--out", str(out), "--stories", "3",
+                 "--calib-tokens", "2048", "budget.tokens=16384", "optim.warmup_steps=2",
+                 "log.progress_bar=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "peak lr 0.0001" in printed and "lr_sweep" in printed  # the lr it chose and how to choose better
+    losses = {name: float(loss) for name, loss in
+              re.findall(r"\| (GQA source \(4 K/V heads\)|GQA-1, converted|GQA-1, uptrained)[^|]*\| ([0-9.]+)",
+                         printed)}
+    assert len(losses) == 3, printed  # a quarter of 4 K/V heads: 1
+    assert losses["GQA-1, uptrained"] < losses["GQA-1, converted"]
+    assert "| 4x " in printed and f"{text}, its last tenth (3 documents" in printed
+    # the last tenth of the documents is held out whole and never trained on
+    docs = read_documents(DataSource(files=[str(text)]))
+    train = [json.loads(line)["text"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
+    valid = [json.loads(line)["text"] for line in (out / "data" / "valid.jsonl").read_text().splitlines()]
+    assert train + valid == docs and len(valid) == round(len(docs) / 10)
+    assert (out / "my-model-gqa1" / "config.json").is_file() and (out / "uptrain" / "model" / "config.json").is_file()
+
+
+def test_own_model_that_cannot_be_converted_is_refused_in_one_line(tmp_path, capsys):
+    from transformers import GPT2Config
+    from uptrain.convert.architectures import family_for
+    from uptrain.errors import UsageError
+
+    model = tmp_path / "gpt2-tiny"
+    GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64).save_pretrained(model)
+    with pytest.raises(UsageError) as registry:
+        family_for(json.loads((model / "config.json").read_text()))
+    assert main(["--model", str(model), "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {registry.value}\n"  # the registry's own message, one line
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("content", ["", "one story and nothing else\n"])
+def test_own_text_that_cannot_be_used_is_refused_in_one_line(tmp_path, capsys, content):
+    text = tmp_path / "mine.txt"
+    text.write_text(content)
+    assert main(["--data", str(text), "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "mine.txt" in err
+    assert not (tmp_path / "demo" / "stories260K-gqa2").exists()

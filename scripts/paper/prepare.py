@@ -2,7 +2,8 @@
 
     python scripts/paper/prepare.py --out runs/paper
 
-From ../shared/data/corpora (complete Shakespeare + King James Bible, public domain):
+From examples/data/paper (complete Shakespeare + King James Bible, public domain, shipped
+gzipped; `--corpora DIR` reads `NAME.txt` or `NAME.txt.gz` from another folder):
 - data/{train,val}.jsonl: documents of ~2,000 characters cut at line ends; the last 5% of
   each corpus is the validation text (same distribution, never trained on);
 - tokenizer/: a byte-level BPE of --vocab tokens trained on the training text only;
@@ -14,6 +15,7 @@ Deterministic: same inputs and seed, same files.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -42,10 +44,22 @@ def documents(text: str, size: int = 2000) -> list[str]:
     return [d for d in docs if d]
 
 
+def corpus_path(corpora: Path, name: str) -> Path:
+    """`corpora/NAME` if present, else the shipped gzipped copy `corpora/NAME.gz`."""
+    plain = corpora / name
+    return plain if plain.is_file() else corpora / f"{name}.gz"
+
+
+def read_corpus(path: Path) -> str:
+    """The text of a corpus file, gunzipped when its name ends in .gz (same text either way)."""
+    data = path.read_bytes()
+    return (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
+
+
 def split_corpora(corpora: Path, out: Path, val_share: float) -> tuple[list[str], list[str]]:
     train, val = [], []
     for name in CORPORA:
-        docs = documents((corpora / name).read_text(encoding="utf-8"))
+        docs = documents(read_corpus(corpus_path(corpora, name)))
         cut = int(len(docs) * (1 - val_share))
         train += docs[:cut]
         val += docs[cut:]
@@ -72,7 +86,7 @@ def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--corpora", type=Path, default=Path(__file__).resolve().parents[3] / "shared/data/corpora")
+    p.add_argument("--corpora", type=Path, default=Path(__file__).resolve().parents[2] / "examples/data/paper")
     p.add_argument("--out", type=Path, default=Path("runs/paper"))
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dim", type=int, default=256)

@@ -1,17 +1,21 @@
 """Tables and plots of the paper reproduction from results/paper/*.json (written by run.py).
 
-    python scripts/paper/report.py
+    python scripts/paper/report.py [--results results/paper] [--runs runs/paper]
 
-Writes results/paper/TABLE.md, alpha.csv, quality-vs-alpha.png and loss-curves.png. Works on
-partial results: missing cells show as "-".
+Writes RESULTS/TABLE.md, alpha.csv, quality-vs-alpha.png and loss-curves.png. Works on partial
+results: missing cells show as "-". The loss curves need the training runs' metrics in RUNS; an
+existing loss-curves.png is redrawn only when all of them are there (a clone has none).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's uptrain
 from uptrain.measure.plots import plot_quality_vs_alpha, plot_training_runs, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +25,7 @@ KVS, METHODS, ALPHAS = (4, 2, 1), ("mean", "first", "random"), (0.0, 0.025, 0.05
 
 
 def load(name: str) -> dict | None:
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{name}.json"  # RESULTS as main() set it
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -29,7 +33,13 @@ def cell(record: dict | None) -> str:
     return f"{record['val_loss']:.3f}" if record else "-"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global RESULTS, RUNS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS, help="folder of NAME.json scores, written to")
+    p.add_argument("--runs", type=Path, default=RUNS, help="folder of the training runs (for the loss curves)")
+    args = p.parse_args(argv)
+    RESULTS, RUNS = args.results, args.runs
     mha = load("mha")
     rows = []
     lines = ["| K/V heads | method | " + " | ".join(f"alpha = {a}" for a in ALPHAS) + " |",
@@ -64,7 +74,7 @@ def main() -> None:
     curves |= {f"kv{kv} mean, alpha {a}": RUNS / f"kv{kv}-mean" / f"alpha{a}" / "metrics.jsonl"
                for kv in KVS for a in (0.1, 0.05)}
     present = {label: read_metrics(p) for label, p in curves.items() if p.exists()}
-    if present:
+    if present and (len(present) == len(curves) or not (RESULTS / "loss-curves.png").exists()):
         plot_training_runs(present, RESULTS / "loss-curves.png")
     print((RESULTS / "TABLE.md").read_text())
 
