@@ -1,8 +1,8 @@
-"""Run the README's command blocks in order, as a new user would type them.
+"""Run the command blocks of README.md and the docs/ pages in order, as a new user would type them.
 
     python scripts/readme_commands.py [--list] [--workdir DIR]
 
-Every ```bash block of README.md runs, top to bottom, one command at a time (comment lines are
+Every ```bash block of README.md, then of each page in `PAGES`, runs, top to bottom, one command at a time (comment lines are
 not commands; a trailing backslash continues a line), unless the line before the block is
 `<!-- readme-test: skip (REASON) -->`. Commands run in DIR (default: a fresh temporary folder
 holding copies of the repository's examples/, configs/ and results/), with the virtual
@@ -25,6 +25,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b")
 COPIED = ("examples", "configs", "results", "scripts")
+# README.md first, then the reference pages in the order their commands build on each other
+PAGES = ("README.md", "docs/convert.md", "docs/uptrain.md", "docs/measure.md", "docs/own-model.md",
+         "docs/paper.md", "docs/guarantees.md", "docs/layout.md")
+
+
+def all_blocks() -> list[list[str]]:
+    """The runnable blocks of every page, in order."""
+    return [block for page in PAGES for block in command_blocks((REPO / page).read_text())]
 
 
 def command_blocks(readme: str) -> list[list[str]]:
@@ -53,7 +61,7 @@ def command_blocks(readme: str) -> list[list[str]]:
 def run_all(workdir: Path, python: Path) -> int:
     """Run every command in `workdir`; 0 when all pass, else the failing command's exit code."""
     env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
-    for n, commands in enumerate(command_blocks((REPO / "README.md").read_text()), 1):
+    for n, commands in enumerate(all_blocks(), 1):
         for command in commands:
             start = time.time()
             proc = subprocess.run(command, shell=True, cwd=workdir, env=env, capture_output=True, text=True,
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="where to run (default: a fresh temporary copy)")
     args = p.parse_args(argv)
     if args.list:
-        for n, commands in enumerate(command_blocks((REPO / "README.md").read_text()), 1):
+        for n, commands in enumerate(all_blocks(), 1):
             print("\n".join(f"[block {n}] {c}" for c in commands))
         return 0
     with tempfile.TemporaryDirectory(prefix="readme-") as tmp:

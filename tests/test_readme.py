@@ -1,4 +1,4 @@
-"""The README is the contract: its command blocks run, in order, on the bundled model and text."""
+"""The README and docs/ are the contract: their command blocks run, in order, on the bundled model and text."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import readme_commands  # noqa: E402
 
 
 def test_readme_command_blocks_run_in_order(tmp_path: Path, capsys) -> None:
-    blocks = readme_commands.command_blocks((REPO / "README.md").read_text())
+    blocks = readme_commands.all_blocks()
     commands = [c for block in blocks for c in block]
     # what a newcomer meets: convert, train (plain, distilled, two processes), measure, plots
     for expected in ("uptrain.convert examples/stories260K-mha8", "uptrain.train configs/demo-cpu.yaml",

@@ -116,7 +116,7 @@ def test_legacy_rope_fields_stay_as_the_source_wrote_them(tmp_path):
 def test_readme_table_is_the_registry():
     from conftest import REPO
     from uptrain.convert.architectures import markdown_table
-    assert markdown_table() in (REPO / "README.md").read_text(), "run: python -m uptrain.convert.architectures"
+    assert markdown_table() in (REPO / "docs" / "convert.md").read_text(), "run: python -m uptrain.convert.architectures"
 
 
 # ------------------------------------------------------------------ the registry's facts, checked against transformers
