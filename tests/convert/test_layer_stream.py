@@ -151,8 +151,10 @@ RSS_SCRIPT = textwrap.dedent("""
 
     def status(key):  # kB -> bytes; VmHWM, not ru_maxrss, which Linux carries over from the forking parent
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
-    before = status("VmRSS")
+    # constructed first: it reads the text once (the data reader imports datasets/pyarrow, ~90 MB
+    # that belong to the process, not to the model)
     c = Calibration(sys.argv[2], int(sys.argv[3])).bind(sys.argv[1])
+    before = status("VmRSS")
     for prefix in sorted("model.layers.%d.self_attn." % i for i in range(int(sys.argv[4]))):
         c.sigma(prefix)  # in the order the conversion asks: tensor names sort layers.10 before layers.2
     print(before, status("VmHWM"), c.record.get("layers_run", 0))
