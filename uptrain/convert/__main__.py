@@ -27,7 +27,8 @@ from typing import Any
 from uptrain.cli import ArgParser, positive_int, prog_name
 from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
-from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path
+from uptrain.convert.output_dir import atomic_output_dir, check_output_path
+from uptrain.convert.shards import ShardWriter
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only, like the imports above
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPE_NAMES, parse_size

@@ -32,7 +32,8 @@ from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_conf
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
 from uptrain.convert.heads import divisors
-from uptrain.convert.shards import ShardWriter, atomic_output_dir, check_output_path, finish_shards, sync_tree
+from uptrain.convert.output_dir import atomic_output_dir, check_output_path, sync_tree
+from uptrain.convert.shards import ShardWriter, finish_shards
 from uptrain.units import parse_size
 from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
 

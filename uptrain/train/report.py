@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from uptrain.convert.shards import atomic_output_dir
+from uptrain.convert.output_dir import atomic_output_dir
 from uptrain.convert.source import auxiliary_files
 
 

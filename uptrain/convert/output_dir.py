@@ -1,0 +1,205 @@
+"""The all-or-nothing output folder: written beside DIR, swapped into place only when complete.
+
+`atomic_output_dir` yields a hidden temporary folder next to the output; when the block completes,
+every file and folder is fsynced and the new folder takes DIR's place in one atomic exchange where
+the OS has one (Linux renameat2 RENAME_EXCHANGE), else in two renames after marking the new folder
+complete, which `recover_output` finishes or undoes on the next run after a crash. So after any
+crash DIR is the old state or the complete new folder. Used by the converter and by the trainer's
+final model folder. Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from uptrain.errors import UsageError
+
+
+def check_output_path(out: Path, source: Path, force: bool) -> None:
+    """Refuse an output that would touch the source or replace something without --force.
+
+    First finishes a replacement of `out` that a killed run left half done (`recover_output`), so
+    that what exists is judged as it will be.
+    """
+    out, source = out.resolve(), source.resolve()
+    if out == source or out.is_relative_to(source):
+        raise UsageError(f"output {out} is inside the source checkpoint {source}; choose a folder outside it")
+    if source.is_relative_to(out):
+        raise UsageError(f"the source checkpoint {source} is inside output {out}; choose another output")
+    recover_output(out)
+    if out.exists() and not force:
+        raise UsageError(f"output {out} already exists; pass --force to replace it or choose another folder")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} is a file; choose a folder path")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# Hidden siblings of an output folder DIR, each `.DIR.<kind>-PID-HEX` (PID: the process that made it):
+#   partial   being written; after an exchange, the old output being removed: always garbage once its process is gone
+#   complete  written and fsynced, waiting for the two-step swap: the new output
+#   old       the previous DIR, moved aside by the two-step swap
+_KINDS = ("partial", "complete", "old")
+
+
+def _sibling(out: Path, kind: str, tag: str) -> Path:
+    return out.parent / f".{out.name}.{kind}-{tag}"
+
+
+def _leftovers(out: Path, kind: str) -> list[Path]:
+    """`kind` siblings of `out` whose process is gone (an `old` folder without a PID, left by
+    versions before the PID was added to its name, counts as gone), oldest first."""
+    found = []
+    for path in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
+        pid = path.name[len(out.name) + len(kind) + 3:].split("-")[0]
+        if path.is_dir() and not path.is_symlink() and not (pid.isdigit() and _pid_alive(int(pid))):
+            found.append(path)
+    return sorted(found, key=lambda p: p.stat().st_mtime_ns)
+
+
+def recover_output(out: Path) -> None:
+    """Finish what a killed run left half done for output `out`; folders of live processes are left alone.
+
+    Without `out`: the newest complete new folder is renamed into place, else the old output is
+    restored. Then every leftover (partial, complete, old) of a dead process is deleted.
+    """
+    out = out.resolve()
+    if not out.parent.is_dir():
+        return
+    for path in _leftovers(out, "partial"):  # unfinished, or an old output already swapped out
+        shutil.rmtree(path, ignore_errors=True)
+    if not out.exists() and not out.is_symlink():
+        restore = (_leftovers(out, "complete") or _leftovers(out, "old"))[-1:]
+        for path in restore:
+            try:
+                path.rename(out)
+                fsync_path(out.parent)
+            except OSError:  # another run restored it first, or `out` appeared meanwhile
+                pass
+    for kind in ("complete", "old"):
+        for path in _leftovers(out, kind):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+# renameat2 errors that mean "no exchange here" (old kernel, filesystem without it), not "failed"
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV}
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step: renameat2(RENAME_EXCHANGE), Linux >= 3.15 with
+    glibc >= 2.28, on filesystems that support it (ext4, xfs, btrfs, tmpfs, ...). False, with
+    nothing changed, where there is none (another OS, older glibc, a filesystem without it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's data and metadata to the disk.
+
+    Folders cannot be opened for fsync on Windows; there the folder step is skipped (NTFS
+    journals the rename itself).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) * path.is_dir()
+    try:
+        fd = os.open(path, flags)
+    except (IsADirectoryError, PermissionError):
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder, deepest first, `folder` last."""
+    folders = []
+    for root, _, names in os.walk(folder):
+        folders.append(Path(root))
+        for name in names:
+            fsync_path(Path(root) / name)
+    for sub in reversed(folders):
+        fsync_path(sub)
+
+
+@contextmanager
+def atomic_output_dir(out: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; it becomes `out` only if the block completes.
+
+    On any error (disk full, a bad tensor, Ctrl-C) the temporary folder is removed and `out` is
+    untouched. Every file and the folder are fsynced before the folder is put in place, and the
+    parent folder after each rename, so even across a power loss or a SIGKILL `out` ends as the
+    old state or the complete new folder:
+
+    - no `out` yet: one rename;
+    - an existing `out` (--force): one atomic exchange of the two folders where the OS has one
+      (`exchange_paths`), then the old one is removed; else two renames, with the new folder
+      first marked complete (`.NAME.complete-*`) so that a run killed between them is finished by
+      `recover_output`, which the next run for `out` calls (here and in `check_output_path`).
+
+    A run killed while writing leaves a hidden `.NAME.partial-PID-*` folder, which the next run removes.
+    """
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_output(out)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = _sibling(out, "partial", tag)
+    tmp.mkdir()
+    try:
+        yield tmp
+        sync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not out.exists() and not out.is_symlink():
+        tmp.rename(out)
+        fsync_path(out.parent)
+        return
+    if exchange_paths(tmp, out):  # `tmp` now holds the old output
+        fsync_path(out.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    complete, old = _sibling(out, "complete", tag), _sibling(out, "old", tag)
+    tmp.rename(complete)
+    fsync_path(out.parent)  # marked complete on disk before `out` moves
+    out.rename(old)
+    try:
+        complete.rename(out)
+    except BaseException:
+        old.rename(out)
+        shutil.rmtree(complete, ignore_errors=True)
+        raise
+    fsync_path(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
