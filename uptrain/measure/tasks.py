@@ -87,14 +87,18 @@ def format_score(s: TaskScore) -> str:
     return f"{s.value:.4f}" if s.stderr is None else f"{s.value:.4f} ± {s.stderr:.4f}"
 
 
-def task_table(names: Sequence[str], scores: Sequence[Sequence[TaskScore]]) -> str:
-    """Markdown: one row per model, one 'task/metric ± stderr' column per metric seen."""
+def task_table(names: Sequence[str], scores: Sequence[Sequence[TaskScore]], shorten: bool = True) -> str:
+    """Markdown: one row per model, one 'task/metric ± stderr' column per metric seen.
+
+    `shorten`: names are model paths, shown by their shortest distinct trailing folders.
+    """
     columns: list[str] = []
     for row in scores:
         columns += [s.column for s in row if s.column not in columns]
     cells = [{s.column: format_score(s) for s in row} for row in scores]
     return format_table(["model"] + [f"{c} ± stderr" for c in columns],
-                        [[n] + [c.get(col, "-") for col in columns] for n, c in zip(distinct_names(list(names)), cells)])
+                        [[n] + [c.get(col, "-") for col in columns]
+                         for n, c in zip(distinct_names(list(names)) if shorten else names, cells)])
 
 
 def scores_json(scores: Sequence[TaskScore]) -> dict[str, dict]:
@@ -238,3 +242,15 @@ def print_task_scores(args: argparse.Namespace, paths: Sequence[str], scores: Se
 
         plot_task_scores({p: [asdict(s) for s in row] for p, row in zip(paths, scores)}, args.task_plot)
         print(f"wrote {args.task_plot}", file=out)
+
+
+def print_demo_scores(labels: Sequence[str], paths: Sequence[str], names: Sequence[str], limit: int | None) -> None:
+    """The demo's task table (bundled tasks, offline); one line instead where lm-eval is not installed."""
+    try:
+        require_lm_eval()
+    except UsageError as err:
+        print(f"\n(task scores skipped: {err})")
+        return
+    scores = score_paths(paths, names, task_manager(names), 512, limit)
+    print(f"\nlm-eval task scores ({', '.join(names)}; first {limit} items each; ± standard error):\n")
+    print(task_table(labels, scores, shorten=False))
