@@ -119,6 +119,15 @@ def test_unknown_task_offline_is_one_line(capsys: pytest.CaptureFixture) -> None
     assert "no_such_task is not local" in err and "HF_HUB_OFFLINE is set" in err
 
 
+def test_unknown_task_online_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Without HF_HUB_OFFLINE the name is looked up among lm-eval's own tasks (an index, no download)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    rc = eval_cli.main([str(EXAMPLE_MHA8), "--tasks", "no_such_task"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "unknown task no_such_task" in err and "not an lm-eval task" in err
+
+
 def test_tasks_path_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc = eval_cli.main([str(EXAMPLE_MHA8), "--tasks", "x", "--tasks-path", str(tmp_path / "nope")])
     assert rc == 2 and "not a folder" in capsys.readouterr().err

@@ -150,10 +150,23 @@ def task_manager(names: Sequence[str], paths: Sequence[str] = ()):
     return full
 
 
+@contextlib.contextmanager
+def _logger_level(name: str, level: int):
+    logger = logging.getLogger(name)
+    old = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
 def _quiet():
-    """Silence lm-eval's progress bars and per-request warnings (they would bury our tables)."""
+    """Silence lm-eval's progress bars and per-request warnings (they would bury our tables), and
+    the Hub client's retry warnings while a task's data is fetched (a failure ends in one line)."""
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     stack = contextlib.ExitStack()
+    stack.enter_context(_logger_level("huggingface_hub", logging.ERROR))
     buf = io.StringIO()
     stack.enter_context(contextlib.redirect_stderr(buf))
     stack.enter_context(contextlib.redirect_stdout(buf))
