@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="held-out text: stories separated by blank lines (default: the shipped TinyStories sample, "
                         "or the end of --data)")
     add_threads_arg(p, "conversion, calibration, training and evaluation")
+    p.add_argument("--tasks", default="stories_cloze,stories_ending",
+                   help="bundled lm-eval tasks to score every model on (needs uptrain[eval]); none: skip")
+    p.add_argument("--task-limit", type=positive_int, default=50, help="items per task")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of configs/demo-cpu.yaml")
     args = p.parse_args(argv)
     threads = start_threads(args.threads).threads
@@ -191,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nHeld-out loss on {shown} ({len(valid)} {unit}, "
           f"512-token windows, stride 256):\n")
     print(format_table(["model", "loss (nats/token)", "perplexity", "KV cache / token", "KV reduction"], table))
+    if args.tasks != "none":
+        from uptrain.measure.tasks import parse_task_names, print_demo_scores
+
+        paths = [source, converted] + ([] if args.skip_uptrain else [run_dir / "model"])
+        print_demo_scores([r[0] for r in rows], [str(x) for x in paths], parse_task_names([args.tasks]), args.task_limit)
     return 0
 
 

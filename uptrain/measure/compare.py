@@ -103,9 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_data_args(parser)
     add_bench_args(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
+    from uptrain.measure import tasks as lm_tasks
+
+    lm_tasks.add_task_args(parser)
     args = parser.parse_args(argv)
     start_threads(args.threads)  # before the evaluation: the one setting covers all the work
     paths = [args.source, *args.gqa]
+    task_names, manager = lm_tasks.tasks_from_args(args)  # refuse bad --tasks before any scoring
     max_length, stride = window_args(args, paths)
     texts = read_cli_documents(args)
     announce_threads()
@@ -116,7 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"perplexity: max_length {max_length}, stride {stride}, {evals[0].documents} documents; "
           f"decode: {args.new_tokens} new tokens, median of {args.repeats}; settings are batch x context", file=out)
     print(comparison_table(rows), file=out)
-    write_outputs(args, [asdict(r) for r in rows], [asdict(b) for b in benches])
+    records = [asdict(r) for r in rows]
+    if task_names:  # accuracy (± standard error) of every model on lm-eval tasks
+        scores = lm_tasks.score_paths(paths, task_names, manager, max_length, args.task_limit, args.dtype, args.device)
+        lm_tasks.print_task_scores(args, paths, scores, max_length, out)
+        records = [r | {"tasks": lm_tasks.scores_json(s)} for r, s in zip(records, scores)]
+    write_outputs(args, records, [asdict(b) for b in benches])
     return 0
 
 

@@ -223,18 +223,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     add_threads_arg(parser)
+    from uptrain.measure import tasks as lm_tasks  # standard library only until --tasks is given
+
+    lm_tasks.add_task_args(parser)
     args = parser.parse_args(argv)
     start_threads(args.threads)
+    task_names, manager = lm_tasks.tasks_from_args(args)  # refuse bad --tasks before any scoring
     max_length, stride = window_args(args, args.models)
-    texts = read_cli_documents(args)
+    with_data = not task_names or args.data or args.dataset  # with --tasks, perplexity only where data is named
+    texts = read_cli_documents(args) if with_data else None
     announce_threads()
-    results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
-    rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]
     out = sys.stderr if args.json == "-" else sys.stdout
-    print(f"max_length {max_length}, stride {stride}", file=out)
-    print(format_table(["model", "loss (nats/token)", "perplexity", "tokens", "documents"], rows), file=out)
+    records: list[dict] = [{"model": m} for m in args.models]
+    if texts is not None:
+        results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
+        rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]
+        print(f"max_length {max_length}, stride {stride}", file=out)
+        print(format_table(["model", "loss (nats/token)", "perplexity", "tokens", "documents"], rows), file=out)
+        records = [asdict(r) | {"max_length": max_length, "stride": stride} for r in results]
+    if task_names:
+        scores = lm_tasks.score_paths(args.models, task_names, manager, max_length, args.task_limit,
+                                      args.dtype, args.device)
+        lm_tasks.print_task_scores(args, args.models, scores, max_length, out)
+        records = [r | {"tasks": lm_tasks.scores_json(s)} for r, s in zip(records, scores)]
     if args.json:
-        write_json([asdict(r) | {"max_length": max_length, "stride": stride} for r in results], args.json)
+        write_json(records, args.json)
     return 0
 
 

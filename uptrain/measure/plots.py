@@ -239,6 +239,38 @@ def plot_bench(bench_rows: Sequence[Mapping], directory: str | Path, prefix: str
     return written
 
 
+def _is_accuracy(score: Mapping) -> bool:
+    """A score with a standard error on the 0..1 scale (acc, acc_norm, exact_match, ...)."""
+    return score["stderr"] is not None and 0.0 <= score["value"] <= 1.0
+
+
+def plot_task_scores(scores: Mapping[str, Sequence[Mapping]], out: str | Path) -> Figure:
+    """Bar chart of lm-eval scores with a standard error (accuracies), grouped by task/metric, one bar per model.
+
+    `scores`: model -> `dataclasses.asdict(TaskScore)` dicts (task, metric, value, stderr).
+    Metrics without a standard error or outside 0..1 (perplexities) are left out: they do not share the axis.
+    """
+    columns: list[str] = []
+    for rows in scores.values():
+        columns += [c for r in rows if _is_accuracy(r) and (c := f"{r['task']}/{r['metric']}") not in columns]
+    if not columns:
+        raise UsageError("no task score with a standard error (accuracy) to plot")
+    names = distinct_names(list(scores))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(columns) * max(1, len(names)) / 2), 4.5))
+    width = 0.8 / len(names)
+    for i, (name, rows) in enumerate(zip(names, scores.values())):
+        by_col = {f"{r['task']}/{r['metric']}": r for r in rows if _is_accuracy(r)}
+        xs = [j + (i - (len(names) - 1) / 2) * width for j, c in enumerate(columns) if c in by_col]
+        vals = [by_col[c]["value"] for c in columns if c in by_col]
+        errs = [by_col[c]["stderr"] for c in columns if c in by_col]
+        ax.bar(xs, vals, width, yerr=errs, capsize=3, label=name)
+    ax.set_xticks(range(len(columns)), columns, rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="score (± standard error)", title="Downstream tasks (lm-evaluation-harness)", ylim=(0, 1))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: plot training runs, an alpha table, or bench JSON."""
