@@ -45,14 +45,31 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator: forget the process-wide state after a test."""
-    yield
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide state, so that the next in-process run builds its own."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator: forget the process-wide state after a test."""
+    yield
+    reset_accelerate_state()
+
+
+def train_in_process(overrides: list[str]) -> None:
+    """Train configs/demo-cpu.yaml with `overrides` in this process, then reset accelerate's state
+    (module-scoped fixtures run outside `fresh_accelerate_state`)."""
+    from uptrain.train import train
+    from uptrain.train.config import load_config
+
+    try:
+        train(load_config(DEMO, overrides))
+    finally:
+        reset_accelerate_state()
 
 
 def stories_new_to_the_model(folder: Path, n_val_stories: int = 20) -> tuple[Path, Path]:

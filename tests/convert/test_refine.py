@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from conftest import EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, real_config
 from tiny import load, random_model, save, scaled_config
 from uptrain.convert import convert
-from uptrain.convert.calibrate import Calibration, read_calibration_texts
+from uptrain.convert.calibrate import Calibration, calibration_sequences, read_calibration_texts
 from uptrain.convert.refine import attention_modules, capture, call_with, refine_attention, refine_model
 from uptrain.measure.eval import evaluate, tokenize_texts
 
@@ -19,14 +19,9 @@ FAST = dict(steps=40, eval_every=10, patience=2, batch=4, lr=3e-3)
 
 
 def _sequences(tokenizer, path, tokens: int, window: int = 256) -> list[torch.Tensor]:
-    out, used = [], 0
-    for text in read_calibration_texts(path):
-        ids = tokenizer(text)["input_ids"][: tokens - used]
-        out += [torch.tensor(ids[b:b + window]) for b in range(0, len(ids), window) if len(ids[b:b + window]) > 1]
-        used += len(ids)
-        if used >= tokens:
-            break
-    return out
+    """What `--calib` runs (`calibrate.calibration_sequences`) as tensors, single tokens left out."""
+    seqs, _, _ = calibration_sequences(read_calibration_texts(path), tokenizer, tokens, window)
+    return [torch.tensor(s) for s in seqs if len(s) > 1]
 
 
 def _random_sequences(vocab: int, n: int = 12, length: int = 24, seed: int = 0) -> list[torch.Tensor]:

@@ -15,13 +15,11 @@ import sys
 import pytest
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, REPO, need_models, tiny_overrides, train_losses
+from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overrides, train_losses
 from test_preempt import _env, _two_processes
 from test_train_multiproc import _free_port
 from uptrain.errors import UsageError
-from uptrain.train import train
 from uptrain.train.__main__ import main
-from uptrain.train.config import load_config
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
 STEPS = 6
@@ -38,11 +36,7 @@ def reference(tmp_path_factory):
     """The uninterrupted one-process run (its folder holds checkpoints 2, 4 and 6)."""
     need_models()
     run_dir = tmp_path_factory.mktemp("elastic") / "single"
-    train(load_config(DEMO, _args(run_dir)))
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    train_in_process(_args(run_dir))
     return run_dir, train_losses(run_dir)
 
 

@@ -14,11 +14,9 @@ import time
 import pytest
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, REPO, need_models, tiny_overrides, train_losses
+from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overrides, train_losses
 from test_train_multiproc import _free_port
-from uptrain.train import train
 from uptrain.train.__main__ import main
-from uptrain.train.config import load_config
 from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
@@ -39,11 +37,7 @@ def reference(tmp_path_factory):
     """Per-step losses of the uninterrupted one-process run."""
     need_models()
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    train(load_config(DEMO, _args(run_dir)))
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    train_in_process(_args(run_dir))
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses

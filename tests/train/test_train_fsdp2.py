@@ -14,9 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from tiny import weights
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, GQA4, need_models, read_metrics, tiny_overrides, train_losses
+from train_helpers import DEMO, train_in_process, GQA4, need_models, read_metrics, tiny_overrides, train_losses
 from test_train_multiproc import launch_two_processes
-from uptrain.train import train
 from uptrain.train.config import load_config
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
@@ -35,11 +34,7 @@ def runs(tmp_path_factory):
     need_models()
     tmp = tmp_path_factory.mktemp("fsdp2")
     single, sharded = tmp / "single", tmp / "sharded"
-    train(load_config(DEMO, tiny_overrides(single, steps=STEPS, **COMMON)))
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    train_in_process(tiny_overrides(single, steps=STEPS, **COMMON))
     args = tiny_overrides(sharded, steps=STEPS, **SHARDED)
     proc = launch_two_processes(args)
     return single, sharded, args, proc.stdout
@@ -86,7 +81,12 @@ def test_fsdp2_export_is_a_normal_model_folder(runs):
 
 def test_fsdp2_resume_reproduces_the_run(runs):
     # Interrupted after step 2: the sharded weights and AdamW state come back from the checkpoint.
-    _, sharded, args, _ = runs
+    assert_resume_reproduces(*runs[1:3])
+
+
+def assert_resume_reproduces(sharded, args) -> None:
+    """Drop the finished run's last checkpoint and final model, resume from checkpoint 2 on two
+    processes: every step's loss is the uninterrupted run's (1e-6)."""
     before = train_losses(sharded)
     shutil.rmtree(sharded / "model")
     (sharded / FINISHED_FILE).unlink()  # as if interrupted before the end
@@ -135,11 +135,7 @@ BF16_REL = 1e-2
 def bf16_runs(tmp_path_factory, runs):
     tmp = tmp_path_factory.mktemp("fsdp2-bf16")
     single, sharded = tmp / "single", tmp / "sharded"
-    train(load_config(DEMO, tiny_overrides(single, steps=STEPS, **{**COMMON, "mixed_precision": "bf16"})))
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    train_in_process(tiny_overrides(single, steps=STEPS, **{**COMMON, "mixed_precision": "bf16"}))
     args = tiny_overrides(sharded, steps=STEPS, **BF16)
     proc = launch_two_processes(args)
     return single, sharded, args, proc.stdout
@@ -168,18 +164,7 @@ def test_fsdp2_bf16_matches_one_process_bf16(bf16_runs, runs):
 
 
 def test_fsdp2_bf16_resume_reproduces_the_run(bf16_runs):
-    _, sharded, args, _ = bf16_runs
-    before = train_losses(sharded)
-    shutil.rmtree(sharded / "model")
-    (sharded / FINISHED_FILE).unlink()
-    shutil.rmtree(complete_checkpoints(sharded)[-1])
-    assert complete_checkpoints(sharded)[-1].name == "checkpoint-00000002"
-    proc = launch_two_processes(args + ["resume=latest"])
-    assert "resuming from" in proc.stdout
-    after = train_losses(sharded)
-    assert sorted(after) == list(range(1, STEPS + 1))
-    for step in after:
-        assert after[step] == pytest.approx(before[step], abs=1e-6), step
+    assert_resume_reproduces(*bf16_runs[1:3])
 
 
 def test_fsdp2_activation_checkpointing_gives_the_same_losses(runs, tmp_path):
