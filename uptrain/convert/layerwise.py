@@ -36,6 +36,8 @@ class Layerwise:
     # None: Σ = I (weights only)
     sigma: Callable[[str], torch.Tensor] | None = None
     permutations: dict[str, list[int]] = field(default_factory=dict)  # filled as layers are converted
+    # --refine: (layer prefix, closed-form start) -> refined tensors (`refine_layer.LayerRefiner`)
+    refiner: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 def _partial_rotary(config: dict[str, Any], head_dim: int) -> bool:
@@ -213,8 +215,9 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
             raise UsageError(f"layer {layer.rstrip('.')} lacks some of its q/k/v/o projections")
 
         def compute(ts, layer=layer):
-            return transform_layer(ts, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
-                                   layer, layout)
+            start = transform_layer(ts, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
+                                    layer, layout)
+            return settings.refiner(layer, start) if settings.refiner is not None else start
         caches[layer] = _LayerCache(compute, keys, set(keys), layer)
     result = []
     started: set[str] = set()
@@ -231,18 +234,34 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         result.append(replace(output, sources=sources,
                               make=lambda ts, cache=cache, key=key: cache.take(key, ts),
                               unchanged=False))  # rewritten: never a byte copy of its source
+    return _in_layer_order(result, attention)
+
+
+def _in_layer_order(outputs: list, attention) -> list:
+    """The attention outputs moved into numeric layer order (0, 1, 2, ..., 10: tensor names sort
+    10 before 2), the others left where they are: the calibration stream runs layer by layer, so
+    layer L is built while the stream's state is at layer L (`--refine` needs its inputs)."""
+    from uptrain.convert.calibrate import layer_index
+
+    slots = [i for i, o in enumerate(outputs) if attention.match(o.spec.name)]
+    ordered = sorted(slots, key=lambda i: (layer_index(attention.match(outputs[i].spec.name).layer), i))
+    result = list(outputs)
+    for slot, i in zip(slots, ordered):
+        result[slot] = outputs[i]
     return result
 
 
 def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_heads: int, head_dim: int,
-                       new_kv: int, method: str, grouping: str, calibration=None) -> Layerwise | None:
+                       new_kv: int, method: str, grouping: str, calibration=None, refine: bool = False
+                       ) -> Layerwise | None:
     """The `Layerwise` of a conversion, None for the per-tensor path; UsageError where not possible.
 
     calibration: a bound `calibrate.Calibration` (Σ from real text) or None (Σ = I).
+    refine: `--refine` (every method goes layer at a time; the pipeline sets `refiner`).
     """
     if grouping not in GROUPINGS:
         raise UsageError(f"--grouping must be one of {', '.join(GROUPINGS)}, not {grouping!r}")
-    if method != "fit" and grouping == "contiguous":
+    if method != "fit" and grouping == "contiguous" and not refine:
         if calibration is not None:
             raise UsageError("--calib has no effect with --method mean/first/random and --grouping contiguous; "
                              "use it with --method fit or --grouping similar")

@@ -1,0 +1,146 @@
+"""`--refine` inside the streaming converter: each layer's closed-form start refined on the spot.
+
+The conversion builds attention layers in numeric order (`layerwise.rewrite_outputs`); asking for
+layer L's moments runs the calibration stream through layer L (`Calibration.sigma`), so right
+after the closed-form start (`layerwise.transform_layer`) the stream's `LayerState` holds layer L's
+ORIGINAL attention module and its inputs and call arguments on every calibration sequence. Here
+the student (the family's own attention class built with the converted config, float32, on the
+calibration device) is loaded with the start, the targets are the original module's outputs on
+the original inputs, `refine.refine_attention` tunes it, and the refined tensors become the
+layer's outputs. One pass over the original model; memory: one layer, the activations, the
+student and its Adam state.
+
+What is trained: the q/k/v/o (or fused qkv) weights and biases, the tensors the conversion
+writes. A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [head_dim] weight, kept
+unchanged by the conversion) is copied from the original and frozen, because the converter
+copies it byte for byte; families whose key norms carry K/V heads (StableLM, Cohere, OLMo-2) are
+refused (`check_refine`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from uptrain.convert import refine
+from uptrain.convert.architectures import Family
+from uptrain.errors import UsageError
+
+INPUTS = ("original", "converted")
+
+
+@dataclass
+class RefineSettings:
+    """`--refine` options (defaults measured in results/refine.md)."""
+
+    steps: int = refine.STEPS
+    lr: float = refine.LR
+    inputs: str = "original"
+    seed: int = 0
+
+    def check(self) -> None:
+        """UsageError (one line) for values refine cannot run with."""
+        if self.steps < 1:
+            raise UsageError(f"--refine-steps must be at least 1, got {self.steps}")
+        if not self.lr > 0:
+            raise UsageError(f"--refine-lr must be positive, got {self.lr}")
+        if self.inputs not in INPUTS:
+            raise UsageError(f"--refine-inputs must be one of {', '.join(INPUTS)}, not {self.inputs!r}")
+        if self.inputs == "converted":
+            raise UsageError("--refine-inputs converted is not implemented in the streaming converter (it measured "
+                             "the same as original inputs, 1.909285 vs 1.909277, results/refine.md); use original")
+
+
+def check_refine(family: Family, config: dict[str, Any], method: str, calibrated: bool) -> None:
+    """UsageError (one line) where `--refine` cannot run for this family/method."""
+    model_type = config.get("model_type", "")
+    if not calibrated:
+        raise UsageError("--refine needs --calib FILE (the text whose attention outputs the converted layers "
+                         "are tuned to match)")
+    if method == "random":
+        raise UsageError("--refine starts from a closed-form conversion; use --method fit or mean, not random")
+    if family.qkv_layout is not None and family.qkv_layout[0] == "grouped":
+        raise UsageError(f"--refine is not supported for {model_type!r} (its fused grouped query_key_value "
+                         f"layout has no layer-at-a-time conversion); convert without --refine")
+    if family.key_norm_in(config) in ("per_head", "whole"):
+        raise UsageError(f"--refine is not supported for {model_type!r} yet: its key norm carries K/V heads and "
+                         f"is pooled apart from the projections; convert without --refine")
+
+
+def estimate(dims, tokens: int, hidden: int, settings: RefineSettings, new_kv: int) -> dict[str, Any]:
+    """What the plan says about a refinement: settings and memory (bytes) beyond the calibration's.
+
+    Memory: the student in float32 and Adam's two moments (3x the converted attention weights),
+    plus the layer's attention inputs and the targets (tokens x hidden x 4 bytes each).
+    """
+    weights = (2 * dims.heads + 2 * new_kv) * dims.head_dim * hidden
+    memory = 3 * weights * 4 + 2 * tokens * hidden * 4
+    return {"steps": settings.steps, "lr": settings.lr, "inputs": settings.inputs, "batch": refine.BATCH,
+            "holdout_fraction": refine.HOLDOUT, "patience": refine.PATIENCE, "seed": settings.seed,
+            "memory_bytes": memory, "optimizer_steps_at_most": settings.steps * dims.layers}
+
+
+def _student(state, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
+    """The family's attention class with the converted config, float32, holding `start`."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = state.attention.config._attn_implementation  # the original's kernel
+    student = type(state.attention)(config, layer_idx=state.index).to(device, torch.float32)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for module, role in family.modules.roles().items():
+            for param in ("weight", "bias"):
+                if f"{role}.{param}" in start:
+                    getattr(student.get_submodule(module), param).copy_(start[f"{role}.{param}"])
+                    loaded.add(f"{module}.{param}")
+        original = dict(state.attention.named_parameters())
+        for name, p in student.named_parameters():
+            if name in loaded:
+                continue
+            if name not in original or original[name].shape != p.shape:
+                raise RuntimeError(f"refine cannot start {type(student).__name__}.{name}: no tensor of the "
+                                   f"conversion and none of that shape in the original")
+            p.copy_(original[name])  # a shared norm, unchanged by the conversion: kept as it is
+            p.requires_grad_(False)
+    return student
+
+
+@dataclass
+class LayerRefiner:
+    """Refines each layer's start right after it is made (`Layerwise.refiner`)."""
+
+    settings: RefineSettings
+    family: Family
+    config: Any  # the converted model's (text) config, a transformers PretrainedConfig
+    calibration: Any  # the bound `calibrate.Calibration` (keep_attention_inputs=True)
+    record: dict[str, Any] = field(default_factory=dict)  # the plan's `refinement`, filled layer by layer
+
+    def __call__(self, layer: str, start: dict[str, Tensor]) -> dict[str, Tensor]:
+        began = time.perf_counter()
+        state = self.calibration.state(layer)
+        if state is None:
+            why = self.calibration.record.get("why_not_streamed", "its stream is not at this layer")
+            raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do ({why}); "
+                             f"convert without --refine")
+        device = next(state.attention.parameters()).device
+        student = _student(state, self.config, self.family, start, device)
+        inputs = [x.to(device) for x in state.attention_inputs]
+        call = refine.call_with(state.attention_kwargs)
+        with torch.no_grad():
+            targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
+        result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
+                                         lr=self.settings.lr, seed=self.settings.seed)
+        params = dict(student.named_parameters())
+        out = {}
+        for module, role in self.family.modules.roles().items():
+            for param in ("weight", "bias"):
+                key = f"{role}.{param}"
+                if key in start:
+                    out[key] = params[f"{module}.{param}"].detach().to("cpu", start[key].dtype).contiguous()
+        row = {"layer": state.index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
+        self.record.setdefault("layers", []).append(row)
+        return out
