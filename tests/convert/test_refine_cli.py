@@ -1,0 +1,120 @@
+"""`python -m uptrain.convert ... --refine`: layer-wise reconstruction inside the streaming converter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, real_config
+from test_layer_stream import with_tokenizer
+from tiny import load, random_model, save, scaled_config
+from uptrain.convert import convert
+from uptrain.convert.__main__ import main
+from uptrain.convert.calibrate import calibration_sequences, read_calibration_texts
+from uptrain.convert.refine import refine_model
+from uptrain.measure.eval import evaluate, tokenize_texts
+
+TOKENS, STEPS = 1200, 30
+CALIB = ["--calib", str(TRAIN_TXT), "--calib-tokens", str(TOKENS)]
+
+
+def _record(folder: Path) -> dict:
+    return json.loads((folder / "uptrain_conversion.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory, one_torch_thread) -> dict[str, Path]:
+    """stories260K-mha8 -> 2 K/V heads by fit + calibration, with and without --refine (the CLI)."""
+    root = tmp_path_factory.mktemp("refine_cli")
+    common = [str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", *CALIB]
+    assert main([*common, "--out", str(root / "fit")]) == 0
+    assert main([*common, "--refine", "--refine-steps", str(STEPS), "--out", str(root / "refined")]) == 0
+    return {"fit": root / "fit", "refined": root / "refined"}
+
+
+def test_refine_lowers_every_layer_error_and_the_held_out_loss(stories, one_torch_thread):
+    refinement = _record(stories["refined"])["refinement"]
+    layers = refinement["layers"]
+    assert [x["layer"] for x in layers] == [0, 1, 2, 3, 4]  # numeric order, every layer once
+    assert refinement["start"] == "fit" and refinement["steps"] == STEPS
+    for x in layers:
+        assert x["error_after"] < 0.9 * x["error_before"] and x["train_error_after"] < x["train_error_before"], x
+        assert 0 < x["steps_run"] <= STEPS
+    assert "refined (Adam" in (stories["refined"] / "README.md").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
+    texts = [t for t in VALID_TXT.read_text().splitlines() if t.strip()][:4]
+    fit, refined = (evaluate(load(stories[k]), tokenize_texts(tokenizer, texts), 512, 256).loss for k in ("fit", "refined"))
+    print(f"held-out loss: fit+calib {fit:.4f}, +refine {refined:.4f}")
+    assert refined < fit - 0.05
+
+
+def test_streamed_refine_equals_the_in_memory_refine(stories, one_torch_thread):
+    """The same inputs, targets, start and seed as `refine_model` on the whole models in memory
+    (the fit+calib output as the start): the same refined weights, to float tolerance."""
+    original, converted = load(EXAMPLE_MHA8), load(stories["fit"])
+    tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
+    sequences, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, TOKENS, 512)
+    results = refine_model(original, converted, [torch.tensor(s) for s in sequences], steps=STEPS)
+    layers = _record(stories["refined"])["refinement"]["layers"]
+    for r, x in zip(results, layers):
+        assert r.steps_run == x["steps_run"]
+        assert abs(r.error_after - x["error_after"]) < 1e-4 * r.error_before, (r, x)
+    streamed = load(stories["refined"]).state_dict()
+    for name, value in converted.state_dict().items():
+        torch.testing.assert_close(streamed[name], value, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def _tiny(kind: str, folder: Path) -> Path:
+    cfg = (AutoConfig.for_model("qwen3", hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_heads=8,
+                                num_hidden_layers=2, intermediate_size=32, vocab_size=512,
+                                max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+           if kind == "qwen3" else
+           scaled_config(json.loads(real_config("phi-2").read_text()), layers=2, vocab=512, head_dim=10))
+    return with_tokenizer(save(random_model(cfg), folder / kind))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi"])
+def test_fit_refused_families_refine_from_mean(kind, tmp_path, capsys, one_torch_thread):
+    """Key norms (Qwen3) and partial rotary (Phi): the fit refuses them, so --refine starts from
+    mean (the plan says so), lowers every layer's error, and the result loads with no weight report."""
+    src = _tiny(kind, tmp_path)
+    out = tmp_path / "out"
+    assert main([str(src), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens", "600",
+                 "--refine", "--refine-steps", "20", "--out", str(out)]) == 0
+    assert "refine starts from mean pooling" in capsys.readouterr().out
+    record = _record(out)
+    assert record["refinement"]["start"] == "mean" and record["method"] == "mean"
+    for x in record["refinement"]["layers"]:
+        assert x["error_after"] < x["error_before"], x
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.config.num_key_value_heads == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--refine"], "--refine needs --calib"),
+    (["--refine", *CALIB, "--refine-steps", "0"], "--refine-steps must be at least 1"),
+    (["--refine", *CALIB, "--refine-lr", "0"], "--refine-lr must be positive"),
+    (["--refine", *CALIB, "--method", "random"], "use --method fit or mean, not random"),
+    (["--refine", *CALIB, "--refine-inputs", "converted"], "--refine-inputs converted is not implemented"),
+])
+def test_refusals(argv, message, tmp_path, capsys):
+    assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", *argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_falcon_is_refused(tmp_path, capsys):
+    from families import tiny_config
+
+    src = with_tokenizer(save(random_model(tiny_config("falcon", dict(new_decoder_architecture=True, num_kv_heads=8,
+                                                                      alibi=False, bias=True, head_dim=None))),
+                              tmp_path / "falcon"))
+    assert main([str(src), "--kv-heads", "2", "--refine", *CALIB, "--out", str(tmp_path / "out")]) == 2
+    assert "--refine is not supported for 'falcon'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
