@@ -101,6 +101,7 @@ def test_fit_refused_families_refine_from_mean(kind, tmp_path, capsys, one_torch
     (["--refine", *CALIB, "--refine-lr", "0"], "--refine-lr must be positive"),
     (["--refine", *CALIB, "--method", "random"], "use --method fit or mean, not random"),
     (["--refine", *CALIB, "--refine-inputs", "converted"], "--refine-inputs converted is not implemented"),
+    (["--refine", "--calib", str(TRAIN_TXT), "--calib-tokens", "50"], "--refine needs at least 2 calibration"),
 ])
 def test_refusals(argv, message, tmp_path, capsys):
     assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", *argv, "--out", str(tmp_path / "out")]) == 2
@@ -118,3 +119,31 @@ def test_falcon_is_refused(tmp_path, capsys):
     assert main([str(src), "--kv-heads", "2", "--refine", *CALIB, "--out", str(tmp_path / "out")]) == 2
     assert "--refine is not supported for 'falcon'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_layers_past_ten_are_refined_in_numeric_order(tmp_path, one_torch_thread):
+    """Tensor names sort layer 10 before 2; the stream runs 0, 1, 2, ...: the conversion builds the
+    layers in numeric order, so each layer's state is current when it is refined."""
+    cfg = AutoConfig.for_model("llama", hidden_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=4,
+                               num_hidden_layers=12, intermediate_size=16, vocab_size=512,
+                               max_position_embeddings=256)
+    src = with_tokenizer(save(random_model(cfg), tmp_path / "deep"))
+    assert main([str(src), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens", "400",
+                 "--refine", "--refine-steps", "2", "--out", str(tmp_path / "out")]) == 0
+    assert [x["layer"] for x in _record(tmp_path / "out")["refinement"]["layers"]] == list(range(12))
+
+
+def test_exaone_checkpoint_names_map_to_the_stream_by_layer_index(tmp_path, one_torch_thread):
+    """EXAONE's checkpoint calls the attention `transformer.h.N.attn.attention.`, the loaded model
+    `model.layers.N.self_attn.`: the layer's calibration state is found by its index."""
+    from families import tiny_config
+
+    gqa = with_tokenizer(save(random_model(tiny_config("exaone", dict(vocab_size=512))), tmp_path / "gqa"))
+    convert(str(gqa), tmp_path / "mha", 8, allow_expand=True)
+    with_tokenizer(tmp_path / "mha")
+    assert main([str(tmp_path / "mha"), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT),
+                 "--calib-tokens", "400", "--refine", "--refine-steps", "10", "--out", str(tmp_path / "out")]) == 0
+    layers = _record(tmp_path / "out")["refinement"]["layers"]
+    assert [x["layer"] for x in layers] == [0, 1] and all(x["error_after"] <= x["error_before"] for x in layers)
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

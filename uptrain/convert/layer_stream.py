@@ -93,9 +93,30 @@ class _Catcher(nn.Module):
         return hidden
 
 
+def _renames(model_type: str) -> list[tuple[str, str]]:
+    """transformers' plain renamings of checkpoint keys on load for `model_type` (EXAONE's
+    `transformer.h.N.attn.attention.` -> `model.layers.N.self_attn.`), as (regex, replacement)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    rules = get_checkpoint_conversion_mapping(model_type) or []
+    return [(a, b) for r in rules if type(r) is WeightRenaming for a, b in zip(r.source_patterns, r.target_patterns)]
+
+
 def _checkpoint_names(model: nn.Module, source: SourceCheckpoint) -> dict[str, TensorInfo]:
-    """model parameter name -> checkpoint tensor, for names stored as-is or without/with the base prefix."""
+    """model parameter name -> checkpoint tensor, for names stored as-is or without/with the base
+    prefix, or renamed on load by transformers (`_renames`)."""
+    import re
+
     by_name = {i.name: i for i in source.tensors}
+    renames = _renames(getattr(model.config, "model_type", ""))
+    for info in source.tensors:
+        name = info.name
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        by_name.setdefault(name, info)
     prefix = getattr(model, "base_model_prefix", "model") + "."
     found = {}
     for name, _ in model.named_parameters():

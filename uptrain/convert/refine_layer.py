@@ -123,9 +123,14 @@ class LayerRefiner:
         began = time.perf_counter()
         state = self.calibration.state(layer)
         if state is None:
-            why = self.calibration.record.get("why_not_streamed", "its stream is not at this layer")
-            raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do ({why}); "
-                             f"convert without --refine")
+            why = self.calibration.record.get("why_not_streamed")
+            if why:
+                raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do "
+                                 f"({why}); convert without --refine")
+            raise RuntimeError(f"the calibration stream is not at layer {layer.rstrip('.')} when it is refined")
+        if len(state.attention_inputs) < 2:
+            raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
+                             f"{len(state.attention_inputs)}; raise --calib-tokens or use more documents")
         device = next(state.attention.parameters()).device
         student = _student(state, self.config, self.family, start, device)
         inputs = [x.to(device) for x in state.attention_inputs]
