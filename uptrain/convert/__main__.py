@@ -94,7 +94,8 @@ def _prepare_args(args: argparse.Namespace, calibration: Any = None) -> dict[str
     if args.refine:
         from uptrain.convert.refine_layer import RefineSettings
 
-        refine = RefineSettings(args.refine_steps, args.refine_lr, args.refine_inputs)
+        refine = RefineSettings(args.refine_steps, args.refine_lr, args.refine_inputs,
+                                log=lambda line: print(line, flush=True))
     return dict(checkpoint=args.checkpoint, kv_heads=args.kv_heads, method=args.method, seed=args.seed,
                 revision=args.revision, dtype=DTYPES.get(args.dtype), grouping=args.grouping,
                 calibration=calibration, headers_only=args.dry_run, refine=refine)

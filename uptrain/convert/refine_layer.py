@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class RefineSettings:
     lr: float = refine.LR
     inputs: str = "original"
     seed: int = 0
+    log: Callable[[str], None] | None = field(default=None, repr=False, compare=False)  # a line per layer
 
     def check(self) -> None:
         """UsageError (one line) for values refine cannot run with."""
@@ -148,4 +150,7 @@ class LayerRefiner:
                     out[key] = params[f"{module}.{param}"].detach().to("cpu", start[key].dtype).contiguous()
         row = {"layer": state.index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
         self.record.setdefault("layers", []).append(row)
+        if self.settings.log:
+            self.settings.log(f"refine layer {state.index}: held-out error {result.error_before:.4f} -> "
+                              f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)")
         return out
