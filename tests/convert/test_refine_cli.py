@@ -68,6 +68,33 @@ def test_streamed_refine_equals_the_in_memory_refine(stories, one_torch_thread):
         torch.testing.assert_close(streamed[name], value, rtol=1e-3, atol=1e-5, msg=name)
 
 
+def test_converted_inputs_equal_the_in_memory_refine(stories, tmp_path, one_torch_thread):
+    """--refine-inputs converted: each layer learns on the converted model's own activations (the
+    layers before it refined), targets the original module on them: as `refine_model(inputs=
+    "converted")` on the whole models in memory, to float tolerance."""
+    out = tmp_path / "converted"
+    assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", *CALIB, "--refine", "--refine-steps",
+                 str(STEPS), "--refine-inputs", "converted", "--out", str(out)]) == 0
+    original, converted = load(EXAMPLE_MHA8), load(stories["fit"])
+    tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
+    sequences, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, TOKENS, 512)
+    results = refine_model(original, converted, [torch.tensor(s) for s in sequences], inputs="converted",
+                           steps=STEPS)
+    layers = _record(out)["refinement"]["layers"]
+    assert _record(out)["refinement"]["inputs"] == "converted"
+    for r, x in zip(results, layers):
+        assert abs(r.error_before - x["error_before"]) < 1e-4 * r.error_before, (r, x)
+        assert abs(r.error_after - x["error_after"]) < 1e-4 * r.error_before, (r, x)
+    streamed = load(out).state_dict()
+    for name, value in converted.state_dict().items():
+        torch.testing.assert_close(streamed[name], value, rtol=1e-3, atol=1e-5, msg=name)
+    # the original-inputs run differs from layer 1 on (its inputs differ), so this is not the same test twice
+    original_inputs = _record(stories["refined"])["refinement"]["layers"]
+    assert original_inputs[0]["error_after"] == pytest.approx(layers[0]["error_after"], rel=1e-4)
+    assert any(abs(a["error_before"] - b["error_before"]) > 1e-3 * a["error_before"]
+               for a, b in zip(original_inputs[1:], layers[1:]))
+
+
 def _tiny(kind: str, folder: Path) -> Path:
     cfg = (AutoConfig.for_model("qwen3", hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_heads=8,
                                 num_hidden_layers=2, intermediate_size=32, vocab_size=512,
@@ -100,7 +127,6 @@ def test_fit_refused_families_refine_from_mean(kind, tmp_path, capsys, one_torch
     (["--refine", *CALIB, "--refine-steps", "0"], "--refine-steps must be at least 1"),
     (["--refine", *CALIB, "--refine-lr", "0"], "--refine-lr must be positive"),
     (["--refine", *CALIB, "--method", "random"], "use --method fit or mean, not random"),
-    (["--refine", *CALIB, "--refine-inputs", "converted"], "--refine-inputs converted is not implemented"),
     (["--refine", "--calib", str(TRAIN_TXT), "--calib-tokens", "50"], "--refine needs at least 2 calibration"),
 ])
 def test_refusals(argv, message, tmp_path, capsys):

@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refine-lr", type=float, default=1e-2,
                    help="Adam learning rate relative to each weight's RMS (default 1e-2)")
     p.add_argument("--refine-inputs", choices=("original", "converted"), default="original",
-                   help="each layer learns on the original model's activations (default); converted: not "
-                        "implemented in the streaming converter")
+                   help="each layer learns on the original model's activations (default; measured as good, "
+                        "results/refine.md) or on the converted model's own (one more activation copy)")
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
     p.add_argument("--revision", help="Hub branch, tag or commit")

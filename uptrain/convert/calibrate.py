@@ -117,6 +117,7 @@ class Calibration:
     record: dict[str, Any] = field(default_factory=dict)  # what the conversion record says about it
     activation_limit: int | None = None
     keep_attention_inputs: bool = False
+    keep_converted: bool = False  # also keep the converted model's activations (`--refine-inputs converted`)
     _moments: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by decoder-layer index
     _handed_out: set[int] = field(default_factory=set, repr=False)
     _stream: LayerStream | None = field(default=None, repr=False)
@@ -195,6 +196,11 @@ class Calibration:
         self._handed_out.add(index)
         return sigma
 
+    @property
+    def stream(self) -> LayerStream | None:
+        """The layer stream (None before the first `sigma`, or where the model was run whole)."""
+        return self._stream
+
     def state(self, layer: str) -> LayerState | None:
         """The stream's state of `layer` (either prefix, see `sigma`) if it is the layer run last
         (after `sigma(layer)`), else None (also where the model was not streamed)."""
@@ -220,7 +226,8 @@ class Calibration:
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,
                                        activation_limit=self._limit(),
-                                       keep_attention_inputs=self.keep_attention_inputs)
+                                       keep_attention_inputs=self.keep_attention_inputs,
+                                       keep_converted=self.keep_converted)
             self.record.update(mode="layer by layer",
                                activations=str(self._stream.activation_dtype).removeprefix("torch."))
         except StreamUnsupported as why:

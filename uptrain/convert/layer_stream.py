@@ -173,7 +173,8 @@ class LayerStream:
     """
 
     def __init__(self, source: SourceCheckpoint, config: Any, sequences: list[list[int]], device: str = "cpu",
-                 activation_limit: int | None = None, keep_attention_inputs: bool = False):
+                 activation_limit: int | None = None, keep_attention_inputs: bool = False,
+                 keep_converted: bool = False):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -209,6 +210,9 @@ class LayerStream:
         limit = available_memory() // 2 if activation_limit is None else activation_limit
         self.activation_dtype = activation_dtype(tokens, self.hidden, limit)
         self.activations, self.kwargs = self._catch(sequences, embedding, self.infos[embed_name])
+        # `--refine-inputs converted`: the converted model's own activations, advanced by the caller
+        # (`refine_layer`) through each converted layer; None otherwise
+        self.converted = [a.clone() for a in self.activations] if keep_converted else None
         self.position = 0  # the next layer to run
         self.current: LayerState | None = None
 

@@ -97,6 +97,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         refine.check()
         check_refine(family, full_config, method, calibration is not None)
         calibration.keep_attention_inputs = True
+        calibration.keep_converted = refine.inputs == "converted"
         if method == "fit":
             try:
                 check_layerwise(family, full_config, dims.head_dim, "fit", grouping)

@@ -15,6 +15,11 @@ writes. A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [head_dim
 unchanged by the conversion) is copied from the original and frozen, because the converter
 copies it byte for byte; families whose key norms carry K/V heads (StableLM, Cohere, OLMo-2) are
 refused (`check_refine`).
+
+`--refine-inputs converted`: the stream also keeps the converted model's activations; layer L's
+attention inputs are taken from them (the layer's input path is the original's), the targets
+stay the original module's outputs on those inputs, and after refinement the converted layer
+(the original layer with the refined student as its attention) advances them.
 """
 
 from __future__ import annotations
@@ -53,9 +58,6 @@ class RefineSettings:
             raise UsageError(f"--refine-lr must be positive, got {self.lr}")
         if self.inputs not in INPUTS:
             raise UsageError(f"--refine-inputs must be one of {', '.join(INPUTS)}, not {self.inputs!r}")
-        if self.inputs == "converted":
-            raise UsageError("--refine-inputs converted is not implemented in the streaming converter (it measured "
-                             "the same as original inputs, 1.909285 vs 1.909277, results/refine.md); use original")
 
 
 def check_refine(family: Family, config: dict[str, Any], method: str, calibrated: bool) -> None:
@@ -78,10 +80,11 @@ def estimate(dims, tokens: int, hidden: int, settings: RefineSettings, new_kv: i
     """What the plan says about a refinement: settings and memory (bytes) beyond the calibration's.
 
     Memory: the student in float32 and Adam's two moments (3x the converted attention weights),
-    plus the layer's attention inputs and the targets (tokens x hidden x 4 bytes each).
+    plus the layer's attention inputs and the targets (tokens x hidden x 4 bytes each), and with
+    converted inputs the converted model's activations too.
     """
     weights = (2 * dims.heads + 2 * new_kv) * dims.head_dim * hidden
-    memory = 3 * weights * 4 + 2 * tokens * hidden * 4
+    memory = 3 * weights * 4 + (3 if settings.inputs == "converted" else 2) * tokens * hidden * 4
     return {"steps": settings.steps, "lr": settings.lr, "inputs": settings.inputs, "batch": refine.BATCH,
             "holdout_fraction": refine.HOLDOUT, "patience": refine.PATIENCE, "seed": settings.seed,
             "memory_bytes": memory, "optimizer_steps_at_most": settings.steps * dims.layers}
@@ -111,6 +114,55 @@ def _student(state, config: Any, family: Family, start: dict[str, Tensor], devic
     return student
 
 
+def _attention_name(projection: str) -> str:
+    return projection.rsplit(".", 1)[0]  # 'self_attn.q_proj' -> 'self_attn'
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def _attention_inputs(state, activations: list[Tensor], kwargs: list[list[dict]]) -> tuple[list[Tensor], list[dict]]:
+    """The attention inputs and call arguments of decoder layer `state.layer` run on `activations`
+    (per sequence [T, D]); the layer stops at its attention (its input path is the original's)."""
+    device = next(state.layer.parameters()).device
+    xs: list[Tensor] = []
+    calls: list[dict] = []
+
+    def catch(_module, args, kw):
+        xs.append((args[0] if args else kw["hidden_states"])[0].float())
+        calls.append({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Stop
+    handle = state.attention.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for s, x in enumerate(activations):
+            try:
+                state.layer(x.to(device, torch.float32)[None], **kwargs[s][state.index])
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return xs, calls
+
+
+@torch.no_grad()
+def _advance_converted(state, student: nn.Module, activations: list[Tensor], kwargs: list[list[dict]],
+                       projection: str) -> None:
+    """Run the converted layer (the original layer with `student` as its attention) over the
+    converted activations, in place: they become the next layer's converted inputs."""
+    device = next(state.layer.parameters()).device
+    name = _attention_name(projection)
+    state.layer.set_submodule(name, student)
+    try:
+        for s, x in enumerate(activations):
+            out = state.layer(x.to(device, torch.float32)[None], **kwargs[s][state.index])
+            out = out[0] if isinstance(out, tuple) else out
+            activations[s] = out[0].to("cpu", x.dtype)
+    finally:
+        state.layer.set_submodule(name, state.attention)
+
+
 @dataclass
 class LayerRefiner:
     """Refines each layer's start right after it is made (`Layerwise.refiner`)."""
@@ -135,12 +187,19 @@ class LayerRefiner:
                              f"{len(state.attention_inputs)}; raise --calib-tokens or use more documents")
         device = next(state.attention.parameters()).device
         student = _student(state, self.config, self.family, start, device)
-        inputs = [x.to(device) for x in state.attention_inputs]
-        call = refine.call_with(state.attention_kwargs)
-        with torch.no_grad():
+        stream = self.calibration.stream
+        converted = self.settings.inputs == "converted"
+        if converted:  # the converted model's own attention inputs (earlier layers refined)
+            inputs, kwargs = _attention_inputs(state, stream.converted, stream.kwargs)
+        else:
+            inputs, kwargs = [x.to(device) for x in state.attention_inputs], state.attention_kwargs
+        call = refine.call_with(kwargs)
+        with torch.no_grad():  # targets: the ORIGINAL module's outputs on those inputs
             targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
                                          lr=self.settings.lr, seed=self.settings.seed)
+        if converted:
+            _advance_converted(state, student, stream.converted, stream.kwargs, stream.projections[state.index])
         params = dict(student.named_parameters())
         out = {}
         for module, role in self.family.modules.roles().items():
