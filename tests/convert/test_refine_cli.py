@@ -122,6 +122,36 @@ def test_fit_refused_families_refine_from_mean(kind, tmp_path, capsys, one_torch
     assert model.config.num_key_value_heads == 2
 
 
+def _kv_norm_model(kind: str, folder: Path) -> Path:
+    from families import tiny_config
+
+    extra = {"stablelm": dict(qk_layernorm=True, use_qkv_bias=True, partial_rotary_factor=0.25),
+             "cohere": dict(use_qk_norm=True), "olmo2": {}}[kind]
+    cfg = tiny_config(kind, dict(extra, num_key_value_heads=8, vocab_size=512))
+    return with_tokenizer(save(random_model(cfg), folder / kind))
+
+
+@pytest.mark.parametrize("kind", ["stablelm", "cohere", "olmo2"])
+def test_key_norms_that_carry_kv_heads_are_refined_with_their_layer(kind, tmp_path, one_torch_thread):
+    """StableLM (one LayerNorm per K/V head), Cohere (per-head norm weight) and OLMo-2 (one norm
+    over the whole K projection): the pooled norm starts the refinement, is trained with the
+    projections and written back; every layer's error goes down and the result loads cleanly."""
+    src = _kv_norm_model(kind, tmp_path)
+    common = [str(src), "--kv-heads", "2", "--calib", str(TRAIN_TXT), "--calib-tokens", "600"]
+    assert main([*common, "--method", "fit", "--refine", "--refine-steps", "20", "--out", str(tmp_path / "r")]) == 0
+    assert main([*common[:3], "--method", "mean", "--out", str(tmp_path / "mean")]) == 0
+    layers = _record(tmp_path / "r")["refinement"]["layers"]
+    assert len(layers) == 2 and all(x["error_after"] < x["error_before"] for x in layers), layers
+    refined, info = AutoModelForCausalLM.from_pretrained(tmp_path / "r", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    mean = AutoModelForCausalLM.from_pretrained(tmp_path / "mean").state_dict()
+    norms = [n for n in mean if ("k_norm" in n or "k_layernorm" in n) and ".layers.0." in n]
+    assert norms
+    for name in norms:  # the norm was trained, from the pooled start
+        assert refined.state_dict()[name].shape == mean[name].shape
+        assert not torch.equal(refined.state_dict()[name], mean[name]), name
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--refine"], "--refine needs --calib"),
     (["--refine", *CALIB, "--refine-steps", "0"], "--refine-steps must be at least 1"),

@@ -278,7 +278,7 @@ def refine_support(family: Family) -> str:
     if family.kv_between_queries:
         return "mean/first/random only; no --refine"
     if family.key_norm in ("per_head", "whole"):
-        return f"fit refused{flag} (key norm); no --refine{flag} (its key norm carries K/V heads)"
+        return f"fit refused{flag} (key norm); --refine from mean, the pooled key norm trained too"
     if family.key_norm == "shared" and not family.key_norm_flag:
         return "fit refused (key norm); --refine from mean"
     return "fit; --refine from fit, from mean where the config makes fit refuse (key norm, partial rotary, clip_qkv)"

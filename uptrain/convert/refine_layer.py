@@ -10,11 +10,12 @@ the original inputs, `refine.refine_attention` tunes it, and the refined tensors
 layer's outputs. One pass over the original model; memory: one layer, the activations, the
 student and its Adam state.
 
-What is trained: the q/k/v/o (or fused qkv) weights and biases, the tensors the conversion
-writes. A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [head_dim] weight, kept
-unchanged by the conversion) is copied from the original and frozen, because the converter
-copies it byte for byte; families whose key norms carry K/V heads (StableLM, Cohere, OLMo-2) are
-refused (`check_refine`).
+What is trained: the q/k/v/o (or fused qkv) weights and biases, and key norms that carry K/V
+heads (StableLM's per-head LayerNorms, Cohere's per-head and OLMo-2's whole-K norm weights: their
+pooled values, keys "norm:<name inside the attention>", start the student and the refined ones
+are written). A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [head_dim] weight,
+kept unchanged by the conversion) is copied from the original and frozen, because the converter
+copies it byte for byte.
 
 `--refine-inputs converted`: the stream also keeps the converted model's activations; layer L's
 attention inputs are taken from them (the layer's input path is the original's), the targets
@@ -71,9 +72,6 @@ def check_refine(family: Family, config: dict[str, Any], method: str, calibrated
     if family.qkv_layout is not None and family.qkv_layout[0] == "grouped":
         raise UsageError(f"--refine is not supported for {model_type!r} (its fused grouped query_key_value "
                          f"layout has no layer-at-a-time conversion); convert without --refine")
-    if family.key_norm_in(config) in ("per_head", "whole"):
-        raise UsageError(f"--refine is not supported for {model_type!r} yet: its key norm carries K/V heads and "
-                         f"is pooled apart from the projections; convert without --refine")
 
 
 def estimate(dims, tokens: int, hidden: int, settings: RefineSettings, new_kv: int) -> dict[str, Any]:
@@ -102,6 +100,10 @@ def _student(state, config: Any, family: Family, start: dict[str, Tensor], devic
                 if f"{role}.{param}" in start:
                     getattr(student.get_submodule(module), param).copy_(start[f"{role}.{param}"])
                     loaded.add(f"{module}.{param}")
+        for key, value in start.items():  # key norms carrying K/V heads: pooled, trained with the layer
+            if key.startswith("norm:"):
+                student.get_parameter(key[5:]).copy_(value)
+                loaded.add(key[5:])
         original = dict(state.attention.named_parameters())
         for name, p in student.named_parameters():
             if name in loaded:
@@ -207,6 +209,9 @@ class LayerRefiner:
                 key = f"{role}.{param}"
                 if key in start:
                     out[key] = params[f"{module}.{param}"].detach().to("cpu", start[key].dtype).contiguous()
+        for key in start:
+            if key.startswith("norm:"):
+                out[key] = params[key[5:]].detach().to("cpu", start[key].dtype).contiguous()
         row = {"layer": state.index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
         self.record.setdefault("layers", []).append(row)
         if self.settings.log:
