@@ -36,6 +36,23 @@ def test_every_source_tensor_is_read_once(method, grouping, mha8: Path, tmp_path
     assert set(reads) == set(attention)
 
 
+@pytest.mark.parametrize("method", ["fit", "mean"])
+def test_refine_reads_every_source_tensor_once(method, mha8: Path, tmp_path, reads, one_torch_thread):
+    """--refine too: the calibration stream reads each layer's tensors once (as float32 modules), the
+    conversion once more for the layer's first output; nothing is read a third time."""
+    from conftest import TRAIN_TXT
+    from uptrain.convert.calibrate import Calibration
+    from uptrain.convert.refine_layer import RefineSettings
+
+    convert(str(mha8), tmp_path / "out", 2, method, calibration=Calibration(TRAIN_TXT, 600),
+            refine=RefineSettings(steps=2))
+    attention = {n: c for n, c in reads.items() if ".self_attn." in n}
+    assert len(attention) == 5 * 4
+    assert attention == {n: 2 for n in attention}, attention  # the stream's read + the conversion's
+    layers = {n: c for n, c in reads.items() if n not in attention and ".layers." in n}
+    assert layers and set(layers.values()) == {1}, layers  # norms and MLP: the stream's read only
+
+
 def test_checkpoint_names_that_transformers_renames_on_load(tmp_path, one_torch_thread):
     """EXAONE checkpoints store attention as `attn.attention.{q,k,v,out}_proj` (transformers loads them
     as `self_attn.*_proj`): fit and similar grouping find all four projections by the registry's

@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what one document of a .txt --calib file is: a paragraph (documents separated by a "
                         "blank line; default, as the trainer's data.*.text_unit), a line or the whole file")
     p.add_argument("--calib-tokens", type=int, default=32768, help="tokens of --calib to run (default 32768)")
+    p.add_argument("--refine", action="store_true",
+                   help="after the closed-form start (fit, or mean where fit refuses the family), tune each layer's "
+                        "attention weights with Adam so its output matches the original layer's on --calib text")
+    p.add_argument("--refine-steps", type=int, default=1200,
+                   help="most Adam steps per layer (default 1200; a held-out slice of --calib stops earlier)")
+    p.add_argument("--refine-lr", type=float, default=1e-2,
+                   help="Adam learning rate relative to each weight's RMS (default 1e-2)")
+    p.add_argument("--refine-inputs", choices=("original", "converted"), default="original",
+                   help="each layer learns on the original model's activations (default; measured as good, "
+                        "results/refine.md) or on the converted model's own (one more activation copy)")
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
     p.add_argument("--revision", help="Hub branch, tag or commit")
@@ -71,6 +81,7 @@ def _copy_while_planning(args: argparse.Namespace) -> list[StoredRange] | None:
     """The tensors to copy while planning, when the headers alone can tell (see the module doc)."""
     folder = Path(args.checkpoint).expanduser()
     if (args.dry_run or args.method == "fit" or args.grouping != "contiguous" or args.dtype or args.calib
+            or args.refine
             or not folder.is_dir() or not (folder / "config.json").is_file()):
         return None
     try:
@@ -83,9 +94,15 @@ def _copy_while_planning(args: argparse.Namespace) -> list[StoredRange] | None:
 def _prepare_args(args: argparse.Namespace, calibration: Any = None) -> dict[str, Any]:
     from uptrain.units import DTYPES
 
+    refine = None
+    if args.refine:
+        from uptrain.convert.refine_layer import RefineSettings
+
+        refine = RefineSettings(args.refine_steps, args.refine_lr, args.refine_inputs,
+                                log=lambda line: print(line, flush=True))
     return dict(checkpoint=args.checkpoint, kv_heads=args.kv_heads, method=args.method, seed=args.seed,
                 revision=args.revision, dtype=DTYPES.get(args.dtype), grouping=args.grouping,
-                calibration=calibration, headers_only=args.dry_run)
+                calibration=calibration, headers_only=args.dry_run, refine=refine)
 
 
 def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], max_shard: int,
@@ -164,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     max_shard = parse_size(args.max_shard_size)
     if args.calib_tokens <= 0:
         raise UsageError(f"--calib-tokens must be positive, got {args.calib_tokens}")
+    if args.refine and not args.calib:
+        raise UsageError("--refine needs --calib FILE (the text whose attention outputs the converted layers "
+                         "are tuned to match)")
     try:
         kept = _copy_while_planning(args)
         if kept is not None:
@@ -181,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     if plan.calibration and "seconds" in plan.calibration:
         c = plan.calibration
         print(f"calibration: {c['tokens_used']:,} tokens ({c['documents']} documents) in {c['seconds']} s")
+    if plan.refinement and plan.refinement.get("layers"):
+        done = plan.refinement["layers"]
+        print("refined: " + ", ".join(f"{x['error_before']:.3f}->{x['error_after']:.3f}" for x in done)
+              + f" held-out error per layer ({sum(x['steps_run'] for x in done)} steps, "
+                f"{sum(x['seconds'] for x in done):.1f} s)")
     print(f"wrote {args.out}")
     if args.verbose:
         from uptrain.convert.plan import format_timing

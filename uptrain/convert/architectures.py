@@ -271,9 +271,22 @@ def attention_for(model_type: str) -> Attention | None:
     return next((f.modules for f in FAMILIES if model_type in f.model_types), None)
 
 
+def refine_support(family: Family) -> str:
+    """What `--method fit` / `--refine` do for a family, as the README's table says it (the
+    refusals themselves: `layerwise.check_layerwise`, `refine_layer.check_refine`)."""
+    flag = f" with {family.key_norm_flag}" if family.key_norm_flag else ""
+    if family.kv_between_queries:
+        return "mean/first/random only; no --refine"
+    if family.key_norm in ("per_head", "whole"):
+        return f"fit refused{flag} (key norm); --refine from mean, the pooled key norm trained too"
+    if family.key_norm == "shared" and not family.key_norm_flag:
+        return "fit refused (key norm); --refine from mean"
+    return "fit; --refine from fit, from mean where the config makes fit refuse (key norm, partial rotary, clip_qkv)"
+
+
 def markdown_table() -> str:
     """The README's table of supported model types, generated from the registry."""
-    rows = ["| model type(s) | example public checkpoints | notes |", "|---|---|---|"]
+    rows = ["| model type(s) | example public checkpoints | notes | fit / refine |", "|---|---|---|---|"]
     for family in FAMILIES:
         if family.refuse:
             continue
@@ -281,10 +294,11 @@ def markdown_table() -> str:
         notes = "; ".join(x for x in (f"when {when}" if when else "", family.notes,
                                       "kv-heads 1 only" if family.mqa_only and "only" not in family.notes else "",
                                       f"approximate: {family.approximate}" if family.approximate else "") if x)
-        rows.append(f"| {', '.join(f'`{t}`' for t in family.model_types)} | {family.examples} | {notes} |")
+        rows.append(f"| {', '.join(f'`{t}`' for t in family.model_types)} | {family.examples} | {notes} | "
+                    f"{refine_support(family)} |")
     refused = ", ".join(f"`{t}`" for t in UNSUPPORTED)
     rows.append(f"| not convertible: {refused} | GPT-2, Pythia, OPT, BLOOM, GPT-J, MPT, DeepSeek-V2/V3 | "
-                "the error says why: no K/V-head setting in transformers, or latent attention |")
+                "the error says why: no K/V-head setting in transformers, or latent attention | — |")
     return "\n".join(rows)
 
 

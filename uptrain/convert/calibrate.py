@@ -14,6 +14,7 @@ is cut by `text_unit` (default `paragraph`: documents separated by a blank line;
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,14 @@ from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
 
 WINDOW = 2048  # longest forward pass (tokens); documents longer than the model's context are cut in pieces
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder-layer number in an attention prefix: the last dotted integer ('….layers.3.self_attn.' -> 3)."""
+    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.)", prefix)
+    if not numbers:
+        raise UsageError(f"calibration cannot tell the layer number of {prefix.rstrip('.')}")
+    return int(numbers[-1])
 
 
 def read_calibration_texts(path: Path, text_unit: str = DataSource.text_unit) -> list[str]:
@@ -108,8 +117,9 @@ class Calibration:
     record: dict[str, Any] = field(default_factory=dict)  # what the conversion record says about it
     activation_limit: int | None = None
     keep_attention_inputs: bool = False
-    _moments: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _handed_out: set[str] = field(default_factory=set, repr=False)
+    keep_converted: bool = False  # also keep the converted model's activations (`--refine-inputs converted`)
+    _moments: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by decoder-layer index
+    _handed_out: set[int] = field(default_factory=set, repr=False)
     _stream: LayerStream | None = field(default=None, repr=False)
     _started: bool = field(default=False, repr=False)
     _model_dir: Path | None = field(default=None, repr=False)
@@ -152,28 +162,37 @@ class Calibration:
                 f"{sigma_bytes / mib:.1f} MiB of moments per layer run but not yet converted")
         return note, layer_bytes + act_bytes + layers * sigma_bytes
 
+    def _index(self, layer: str) -> int:
+        """The decoder-layer index of an attention prefix: a loaded-module prefix of the stream
+        ('model.layers.3.self_attn.') or a checkpoint prefix that names it differently (EXAONE's
+        'transformer.h.3.attn.attention.'): both carry the layer's number."""
+        if self._stream is not None and layer in self._stream.prefixes:
+            return self._stream.prefixes.index(layer)
+        return layer_index(layer)
+
     def sigma(self, layer: str) -> torch.Tensor:
         """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.').
 
         Runs the stream up to that layer; the moments of layers passed over are kept until asked
         for, and each layer's are handed out once (then forgotten: at width 8192 one is 512 MiB).
         """
-        if layer in self._handed_out:  # a second conversion with this calibration: run the model again
+        if self._index(layer) in self._handed_out:  # a second conversion with this calibration: run again
             self._restart()
         if not self._started:
             self._start()
-        while layer not in self._moments and self._stream is not None and self._stream.position < len(
+        index = self._index(layer)
+        while index not in self._moments and self._stream is not None and self._stream.position < len(
                 self._stream.layers):
             start = time.perf_counter()
             state = self._stream.advance()
-            self._moments[state.prefix] = state.sigma
+            self._moments[state.index] = state.sigma
             self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
             self.record["layers_run"] = self._stream.position
         try:
-            sigma = self._moments.pop(layer)  # the conversion asks once per layer: held no longer
+            sigma = self._moments.pop(index)  # the conversion asks once per layer: held no longer
         except KeyError:
             raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model") from None
-        self._handed_out.add(layer)
+        self._handed_out.add(index)
         return sigma
 
     def _restart(self) -> None:
@@ -184,10 +203,16 @@ class Calibration:
         self._moments.clear()
         self._handed_out.clear()
 
+    @property
+    def stream(self) -> LayerStream | None:
+        """The layer stream (None before the first `sigma`, or where the model was run whole)."""
+        return self._stream
+
     def state(self, layer: str) -> LayerState | None:
-        """The stream's state of `layer` if it is the layer run last (after `sigma(layer)`), else None."""
+        """The stream's state of `layer` (either prefix, see `sigma`) if it is the layer run last
+        (after `sigma(layer)`), else None (also where the model was not streamed)."""
         current = self._stream.current if self._stream is not None else None
-        return current if current is not None and current.prefix == layer else None
+        return current if current is not None and current.index == self._index(layer) else None
 
     @torch.no_grad()
     def _start(self) -> None:
@@ -208,7 +233,8 @@ class Calibration:
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,
                                        activation_limit=self._limit(),
-                                       keep_attention_inputs=self.keep_attention_inputs)
+                                       keep_attention_inputs=self.keep_attention_inputs,
+                                       keep_converted=self.keep_converted)
             self.record.update(mode="layer by layer",
                                activations=str(self._stream.activation_dtype).removeprefix("torch."))
         except StreamUnsupported as why:
@@ -216,6 +242,6 @@ class Calibration:
 
             self.record.update(mode="whole model", why_not_streamed=str(why))
             model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=torch.float32).to(self.device).eval()
-            self._moments = whole_model_moments(model, sequences, self.device)
+            self._moments = {layer_index(k): v for k, v in whole_model_moments(model, sequences, self.device).items()}
             del model
         self.record["seconds"] = round(time.perf_counter() - start, 2)

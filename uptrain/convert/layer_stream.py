@@ -93,9 +93,30 @@ class _Catcher(nn.Module):
         return hidden
 
 
+def _renames(model_type: str) -> list[tuple[str, str]]:
+    """transformers' plain renamings of checkpoint keys on load for `model_type` (EXAONE's
+    `transformer.h.N.attn.attention.` -> `model.layers.N.self_attn.`), as (regex, replacement)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    rules = get_checkpoint_conversion_mapping(model_type) or []
+    return [(a, b) for r in rules if type(r) is WeightRenaming for a, b in zip(r.source_patterns, r.target_patterns)]
+
+
 def _checkpoint_names(model: nn.Module, source: SourceCheckpoint) -> dict[str, TensorInfo]:
-    """model parameter name -> checkpoint tensor, for names stored as-is or without/with the base prefix."""
+    """model parameter name -> checkpoint tensor, for names stored as-is or without/with the base
+    prefix, or renamed on load by transformers (`_renames`)."""
+    import re
+
     by_name = {i.name: i for i in source.tensors}
+    renames = _renames(getattr(model.config, "model_type", ""))
+    for info in source.tensors:
+        name = info.name
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        by_name.setdefault(name, info)
     prefix = getattr(model, "base_model_prefix", "model") + "."
     found = {}
     for name, _ in model.named_parameters():
@@ -152,7 +173,8 @@ class LayerStream:
     """
 
     def __init__(self, source: SourceCheckpoint, config: Any, sequences: list[list[int]], device: str = "cpu",
-                 activation_limit: int | None = None, keep_attention_inputs: bool = False):
+                 activation_limit: int | None = None, keep_attention_inputs: bool = False,
+                 keep_converted: bool = False):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -188,6 +210,9 @@ class LayerStream:
         limit = available_memory() // 2 if activation_limit is None else activation_limit
         self.activation_dtype = activation_dtype(tokens, self.hidden, limit)
         self.activations, self.kwargs = self._catch(sequences, embedding, self.infos[embed_name])
+        # `--refine-inputs converted`: the converted model's own activations, advanced by the caller
+        # (`refine_layer`) through each converted layer; None otherwise
+        self.converted = [a.clone() for a in self.activations] if keep_converted else None
         self.position = 0  # the next layer to run
         self.current: LayerState | None = None
 

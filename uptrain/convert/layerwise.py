@@ -36,6 +36,8 @@ class Layerwise:
     # None: Σ = I (weights only)
     sigma: Callable[[str], torch.Tensor] | None = None
     permutations: dict[str, list[int]] = field(default_factory=dict)  # filled as layers are converted
+    # --refine: (layer prefix, closed-form start) -> refined tensors (`refine_layer.LayerRefiner`)
+    refiner: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 def _partial_rotary(config: dict[str, Any], head_dim: int) -> bool:
@@ -205,44 +207,89 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         raise UsageError(f"found attention projections in {len(layers)} of {d.layers} layers; "
                          f"the layer-at-a-time conversion does not know this checkpoint's tensor names")
     layout = change.family.qkv_layout[0] if change.family.qkv_layout else None
+    # --refine trains the key norms that carry K/V heads (StableLM, Cohere, OLMo-2) with the layer:
+    # their pooled outputs join the layer's computation, so they too are made once and refined
+    norms: dict[str, dict[str, Any]] = {}  # layer -> {"norm:<name inside the attention>": planned output}
+    if settings.refiner is not None:
+        for output in outputs:
+            layer = _norm_layer(output.spec.name, change.family)
+            if layer in layers:
+                norms.setdefault(layer, {})["norm:" + output.spec.name[len(layer):]] = output
     caches: dict[str, _LayerCache] = {}
+    sources_of: dict[str, list] = {}
     for layer, parts in layers.items():
         keys = sorted(parts)
         if not {"o.weight"} <= set(keys) or not ({"q.weight", "k.weight", "v.weight"} <= set(keys)
                                                    or "qkv.weight" in keys):
             raise UsageError(f"layer {layer.rstrip('.')} lacks some of its q/k/v/o projections")
+        layer_norms = norms.get(layer, {})
+        norm_keys = [f"{k}#{j}" for k, o in layer_norms.items() for j in range(len(o.sources))]
+        sources_of[layer] = [parts[k] for k in keys] + [o.sources[j] for o in layer_norms.values()
+                                                         for j in range(len(o.sources))]
 
-        def compute(ts, layer=layer):
-            return transform_layer(ts, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
-                                   layer, layout)
-        caches[layer] = _LayerCache(compute, keys, set(keys), layer)
+        def compute(ts, layer=layer, layer_norms=layer_norms):
+            start = transform_layer({k: v for k, v in ts.items() if not k.startswith("norm:")}, d.heads, d.kv_heads,
+                                    change.new_kv_heads, change.method, settings, layer, layout)
+            for key, output in layer_norms.items():  # the planned pooling of the norm: the refinement's start
+                start[key] = output.make([ts[f"{key}#{j}"] for j in range(len(output.sources))]).to(output.spec.dtype)
+            return settings.refiner(layer, start) if settings.refiner is not None else start
+        caches[layer] = _LayerCache(compute, keys + norm_keys, set(keys) | set(layer_norms), layer)
     result = []
     started: set[str] = set()
     for output in outputs:
         p = attention.match(output.spec.name)
-        if not p or p.layer not in caches:
+        layer = p.layer if p else _norm_layer(output.spec.name, change.family)
+        if layer not in caches or (not p and layer not in norms):
             result.append(output)
             continue
-        layer, key = p.layer, f"{p.role}.{p.param}"
+        key = f"{p.role}.{p.param}" if p else "norm:" + output.spec.name[len(layer):]
         cache = caches[layer]
         # The layer's first output reads all its tensors; the others take from the cache.
-        sources = () if layer in started else tuple(layers[layer][k] for k in cache.keys)
+        sources = () if layer in started else tuple(sources_of[layer])
         started.add(layer)
         result.append(replace(output, sources=sources,
                               make=lambda ts, cache=cache, key=key: cache.take(key, ts),
                               unchanged=False))  # rewritten: never a byte copy of its source
+    return _in_layer_order(result, change.family)
+
+
+def _norm_layer(name: str, family: Family) -> str | None:
+    """The attention prefix of a key-norm tensor that carries K/V heads (`Family.norms`), else None."""
+    if not any(rule.match(name) for rule in family.norms):
+        return None
+    marker = f".{family.attention.module}."
+    return name[: name.index(marker) + len(marker)] if marker in name else None
+
+
+def _in_layer_order(outputs: list, family: Family) -> list:
+    """The attention outputs moved into numeric layer order (0, 1, 2, ..., 10: tensor names sort
+    10 before 2), the others left where they are: the calibration stream runs layer by layer, so
+    layer L is built while the stream's state is at layer L (`--refine` needs its inputs)."""
+    from uptrain.convert.calibrate import layer_index
+
+    def layer(name: str) -> str | None:
+        p = family.attention.match(name)
+        return p.layer if p else _norm_layer(name, family)
+
+    slots = [i for i, o in enumerate(outputs) if layer(o.spec.name)]
+    ordered = sorted(slots, key=lambda i: (layer_index(layer(outputs[i].spec.name)), i))
+    result = list(outputs)
+    for slot, i in zip(slots, ordered):
+        result[slot] = outputs[i]
     return result
 
 
 def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_heads: int, head_dim: int,
-                       new_kv: int, method: str, grouping: str, calibration=None) -> Layerwise | None:
+                       new_kv: int, method: str, grouping: str, calibration=None, refine: bool = False
+                       ) -> Layerwise | None:
     """The `Layerwise` of a conversion, None for the per-tensor path; UsageError where not possible.
 
     calibration: a bound `calibrate.Calibration` (Σ from real text) or None (Σ = I).
+    refine: `--refine` (every method goes layer at a time; the pipeline sets `refiner`).
     """
     if grouping not in GROUPINGS:
         raise UsageError(f"--grouping must be one of {', '.join(GROUPINGS)}, not {grouping!r}")
-    if method != "fit" and grouping == "contiguous":
+    if method != "fit" and grouping == "contiguous" and not refine:
         if calibration is not None:
             raise UsageError("--calib has no effect with --method mean/first/random and --grouping contiguous; "
                              "use it with --method fit or --grouping similar")

@@ -34,6 +34,19 @@ _UNCHANGED = "Query and output projections are unchanged."
 _CHANGED = "Query and output projections are changed too (head order and/or fitted compensation)."
 
 
+def _refined(plan: ConversionPlan) -> str:
+    """The card's sentence on `--refine` ('' without it)."""
+    r = plan.refinement
+    if not r or not r.get("layers"):
+        return ""
+    before = [x["error_before"] for x in r["layers"]]
+    after = [x["error_after"] for x in r["layers"]]
+    return (f"\nThen each layer's attention weights were refined (Adam, at most {r['steps']} steps per layer, "
+            f"lr {r['lr']:g} x weight RMS, {r['inputs']} inputs) to match the original layer's attention output "
+            f"on the calibration text: held-out relative error per layer {min(before):.3f}-{max(before):.3f} "
+            f"before, {min(after):.3f}-{max(after):.3f} after.")
+
+
 def source_card_metadata(readme: Path) -> dict[str, Any]:
     """The YAML front matter of a source README.md as a dict ({} when absent or unreadable)."""
     try:
@@ -78,8 +91,8 @@ def render_model_card(plan: ConversionPlan, source_meta: dict[str, Any] | None =
 
 Converted by uptrain {plan.record()['uptrain_version']} from `{plan.source}`
 by {_METHODS[plan.method]}: {d.heads} query heads share {plan.new_kv_heads} K/V heads
-(was {d.kv_heads}) in each of {d.layers} layers. {_UNCHANGED if plan.method != "fit" and plan.grouping == "contiguous" else _CHANGED}
-KV cache per token: {cache_change(plan)}.
+(was {d.kv_heads}) in each of {d.layers} layers. {_UNCHANGED if plan.method != "fit" and plan.grouping == "contiguous" and not plan.refinement else _CHANGED}
+KV cache per token: {cache_change(plan)}.{_refined(plan)}
 
 ```
 {format_plan(plan)}

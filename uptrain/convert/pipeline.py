@@ -23,7 +23,8 @@ import torch
 
 from uptrain.convert.architectures import family_for
 from uptrain.convert.calibrate import Calibration
-from uptrain.convert.layerwise import describe_layerwise, layerwise_settings
+from uptrain.convert.layerwise import check_layerwise, describe_layerwise, layerwise_settings
+from uptrain.convert.refine_layer import LayerRefiner, RefineSettings, check_refine, estimate
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
@@ -42,8 +43,8 @@ RECORD_FILE = "uptrain_conversion.json"
 
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
-            grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False
-            ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
+            grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
+            refine: RefineSettings | None = None) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
 
     headers_only (`--dry-run`): a Hub id not already in the local cache is planned from its
@@ -52,6 +53,9 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
 
     grouping / calibration: see `layerwise` (`--grouping similar`, `--method fit`) and `calibrate`;
     the calibration runs lazily, when the first attention layer is written.
+    refine (`--refine`): each layer's closed-form start is refined against the original's attention
+    outputs on the calibration text as it is written (`refine_layer`); `fit` where the fit refuses
+    this family starts from `mean` instead (the plan says so).
 
     allow_expand: also accept more K/V heads than the source has (each head repeated in place,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
@@ -88,21 +92,47 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         else:
             problem = f"{kv_heads} does not divide the {dims.kv_heads} K/V heads"
         raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
-    layerwise = layerwise_settings(family, cfg.to_dict() | source.config, dims.heads, dims.kv_heads,
-                                   dims.head_dim, kv_heads, method, grouping,
-                                   calibration and calibration.bind(source.path))
-    change = HeadChange(family, dims, kv_heads, method, float(getattr(cfg, "initializer_range", 0.02) or 0.02), seed,
-                        layerwise)
+    full_config = cfg.to_dict() | source.config
+    start_method, start_note = method, None
+    if refine is not None:
+        refine.check()
+        check_refine(family, full_config, method, calibration is not None)
+        calibration.keep_attention_inputs = True
+        calibration.keep_converted = refine.inputs == "converted"
+        if method == "fit":
+            try:
+                check_layerwise(family, full_config, dims.head_dim, "fit", grouping)
+            except UsageError as why:
+                start_method = "mean"
+                start_note = (f"refine starts from mean pooling: {str(why).removeprefix('--method ')}"
+                              .removesuffix("; use --method mean"))
+    layerwise = layerwise_settings(family, full_config, dims.heads, dims.kv_heads,
+                                   dims.head_dim, kv_heads, start_method, grouping,
+                                   calibration and calibration.bind(source.path), refine=refine is not None)
+    new_config = target_config(source.config, cfg, family, kv_heads, dtype)
+    refiner = None
+    if refine is not None:
+        refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration)
+        layerwise.refiner = refiner
+    change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
+                        seed, layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)
     kv_names = {o.spec.name for o in outputs if any(r.match(o.spec.name) for r in family.tensors)}
     kv_dtype = next((o.spec.dtype for o in outputs if o.spec.name in kv_names and o.spec.dtype.is_floating_point),
                     dtype or torch.float32)
-    plan = plan_conversion(checkpoint, revision, source.config, family, dims, kv_heads, method, seed,
+    plan = plan_conversion(checkpoint, revision, source.config, family, dims, kv_heads, start_method, seed,
                      sum(i.numel for i in source.tensors), outputs, kv_dtype)
     describe_layerwise(plan, layerwise, calibration, sum(i.numel for i in source.tensors))
+    if refiner is not None:
+        text = source.config.get("text_config") or source.config
+        refiner.record.update(start=start_method, requested_method=method,
+                              **estimate(dims, calibration.tokens, int(text.get("hidden_size", dims.heads * dims.head_dim)),
+                                         refine, kv_heads))
+        plan.refinement = refiner.record  # the same dict: per-layer errors appear as layers are written
+        if start_note:
+            plan.notes.append(start_note)
     if header_note:
         plan.notes.append(header_note)
-    new_config = target_config(source.config, cfg, family, kv_heads, dtype)
     plan.timing_s["plan"] = time.perf_counter() - start
     return source, plan, outputs, new_config
 
@@ -252,12 +282,12 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
 def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, max_shard_size: str = "5GB",
             force: bool = False, allow_expand: bool = False, grouping: str = "contiguous",
-            calibration: Calibration | None = None) -> ConversionPlan:
+            calibration: Calibration | None = None, refine: RefineSettings | None = None) -> ConversionPlan:
     """Convert `checkpoint` into `out` with `kv_heads` K/V heads; the Python API behind the CLI."""
     phases = Phases()
     max_shard = parse_size(max_shard_size)
     source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand,
-                                                grouping, calibration)
+                                                grouping, calibration, refine=refine)
     check_output_path(out, source.path, force)
     write_converted(source, plan, outputs, new_config, out, max_shard, phases)
     return plan

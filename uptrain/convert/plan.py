@@ -38,6 +38,7 @@ class ConversionPlan:
     timing_s: dict[str, float] = field(default_factory=dict)  # seconds per phase of the conversion
     grouping: str = "contiguous"  # which query heads share a K/V head (layerwise.py)
     calibration: dict[str, Any] | None = None  # --calib: file, tokens, device, seconds (calibrate.py)
+    refinement: dict[str, Any] | None = None  # --refine: settings, estimates, per-layer errors (refine_layer.py)
     head_order: dict[str, list[int]] | None = None  # --grouping similar: layer -> source query head per position
     # tensors copied byte for byte / built, their bytes, and whether the copy started before planning
     streams: dict[str, Any] | None = None
@@ -136,6 +137,17 @@ def format_plan(plan: ConversionPlan) -> str:
         c = plan.calibration
         rows.append(("calibration", f"{c['file']}, {c.get('tokens_used', c['tokens_requested']):,} tokens on "
                                     f"{c['device']}" + (f", {c['seconds']} s" if "seconds" in c else "")))
+    if plan.refinement:
+        r = plan.refinement
+        rows.append(("refine", f"from {r['start']}: Adam on each layer's attention output, at most {r['steps']} "
+                               f"steps (batch {r['batch']} sequences, lr {r['lr']:g} x weight RMS, held-out stop), "
+                               f"{r['inputs']} inputs; memory ~{human_bytes(r['memory_bytes'])} beyond the "
+                               f"calibration's; time: up to {r['optimizer_steps_at_most']:,} optimizer steps in all "
+                               f"(stories260K: ~10-18 s per layer on one CPU thread, results/refine.md)"))
+        done = r.get("layers") or []
+        if done:
+            rows.append(("refined", ", ".join(f"{x['error_before']:.3f}->{x['error_after']:.3f}" for x in done)
+                         + f" held-out error per layer, {sum(x['seconds'] for x in done):.1f} s"))
     rows += [("note", n) for n in plan.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

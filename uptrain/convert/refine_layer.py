@@ -1,0 +1,220 @@
+"""`--refine` inside the streaming converter: each layer's closed-form start refined on the spot.
+
+The conversion builds attention layers in numeric order (`layerwise.rewrite_outputs`); asking for
+layer L's moments runs the calibration stream through layer L (`Calibration.sigma`), so right
+after the closed-form start (`layerwise.transform_layer`) the stream's `LayerState` holds layer L's
+ORIGINAL attention module and its inputs and call arguments on every calibration sequence. Here
+the student (the family's own attention class built with the converted config, float32, on the
+calibration device) is loaded with the start, the targets are the original module's outputs on
+the original inputs, `refine.refine_attention` tunes it, and the refined tensors become the
+layer's outputs. One pass over the original model; memory: one layer, the activations, the
+student and its Adam state.
+
+What is trained: the q/k/v/o (or fused qkv) weights and biases, and key norms that carry K/V
+heads (StableLM's per-head LayerNorms, Cohere's per-head and OLMo-2's whole-K norm weights: their
+pooled values, keys "norm:<name inside the attention>", start the student and the refined ones
+are written). A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [head_dim] weight,
+kept unchanged by the conversion) is copied from the original and frozen, because the converter
+copies it byte for byte.
+
+`--refine-inputs converted`: the stream also keeps the converted model's activations; layer L's
+attention inputs are taken from them (the layer's input path is the original's), the targets
+stay the original module's outputs on those inputs, and after refinement the converted layer
+(the original layer with the refined student as its attention) advances them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from uptrain.convert import refine
+from uptrain.convert.architectures import Family
+from uptrain.errors import UsageError
+
+INPUTS = ("original", "converted")
+
+
+@dataclass
+class RefineSettings:
+    """`--refine` options (defaults measured in results/refine.md)."""
+
+    steps: int = refine.STEPS
+    lr: float = refine.LR
+    inputs: str = "original"
+    seed: int = 0
+    log: Callable[[str], None] | None = field(default=None, repr=False, compare=False)  # a line per layer
+
+    def check(self) -> None:
+        """UsageError (one line) for values refine cannot run with."""
+        if self.steps < 1:
+            raise UsageError(f"--refine-steps must be at least 1, got {self.steps}")
+        if not self.lr > 0:
+            raise UsageError(f"--refine-lr must be positive, got {self.lr}")
+        if self.inputs not in INPUTS:
+            raise UsageError(f"--refine-inputs must be one of {', '.join(INPUTS)}, not {self.inputs!r}")
+
+
+def check_refine(family: Family, config: dict[str, Any], method: str, calibrated: bool) -> None:
+    """UsageError (one line) where `--refine` cannot run for this family/method."""
+    model_type = config.get("model_type", "")
+    if not calibrated:
+        raise UsageError("--refine needs --calib FILE (the text whose attention outputs the converted layers "
+                         "are tuned to match)")
+    if method == "random":
+        raise UsageError("--refine starts from a closed-form conversion; use --method fit or mean, not random")
+    if family.qkv_layout is not None and family.qkv_layout[0] == "grouped":
+        raise UsageError(f"--refine is not supported for {model_type!r} (its fused grouped query_key_value "
+                         f"layout has no layer-at-a-time conversion); convert without --refine")
+
+
+def estimate(dims, tokens: int, hidden: int, settings: RefineSettings, new_kv: int) -> dict[str, Any]:
+    """What the plan says about a refinement: settings and memory (bytes) beyond the calibration's.
+
+    Memory: the student in float32 and Adam's two moments (3x the converted attention weights),
+    plus the layer's attention inputs and the targets (tokens x hidden x 4 bytes each), and with
+    converted inputs the converted model's activations too.
+    """
+    weights = (2 * dims.heads + 2 * new_kv) * dims.head_dim * hidden
+    memory = 3 * weights * 4 + (3 if settings.inputs == "converted" else 2) * tokens * hidden * 4
+    return {"steps": settings.steps, "lr": settings.lr, "inputs": settings.inputs, "batch": refine.BATCH,
+            "holdout_fraction": refine.HOLDOUT, "patience": refine.PATIENCE, "seed": settings.seed,
+            "memory_bytes": memory, "optimizer_steps_at_most": settings.steps * dims.layers}
+
+
+def _student(state, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
+    """The family's attention class with the converted config, float32, holding `start`."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = state.attention.config._attn_implementation  # the original's kernel
+    student = type(state.attention)(config, layer_idx=state.index).to(device, torch.float32)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for module, role in family.modules.roles().items():
+            for param in ("weight", "bias"):
+                if f"{role}.{param}" in start:
+                    getattr(student.get_submodule(module), param).copy_(start[f"{role}.{param}"])
+                    loaded.add(f"{module}.{param}")
+        for key, value in start.items():  # key norms carrying K/V heads: pooled, trained with the layer
+            if key.startswith("norm:"):
+                student.get_parameter(key[5:]).copy_(value)
+                loaded.add(key[5:])
+        original = dict(state.attention.named_parameters())
+        for name, p in student.named_parameters():
+            if name in loaded:
+                continue
+            if name not in original or original[name].shape != p.shape:
+                raise RuntimeError(f"refine cannot start {type(student).__name__}.{name}: no tensor of the "
+                                   f"conversion and none of that shape in the original")
+            p.copy_(original[name])  # a shared norm, unchanged by the conversion: kept as it is
+            p.requires_grad_(False)
+    return student
+
+
+def _attention_name(projection: str) -> str:
+    return projection.rsplit(".", 1)[0]  # 'self_attn.q_proj' -> 'self_attn'
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def _attention_inputs(state, activations: list[Tensor], kwargs: list[list[dict]]) -> tuple[list[Tensor], list[dict]]:
+    """The attention inputs and call arguments of decoder layer `state.layer` run on `activations`
+    (per sequence [T, D]); the layer stops at its attention (its input path is the original's)."""
+    device = next(state.layer.parameters()).device
+    xs: list[Tensor] = []
+    calls: list[dict] = []
+
+    def catch(_module, args, kw):
+        xs.append((args[0] if args else kw["hidden_states"])[0].float())
+        calls.append({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Stop
+    handle = state.attention.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for s, x in enumerate(activations):
+            try:
+                state.layer(x.to(device, torch.float32)[None], **kwargs[s][state.index])
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return xs, calls
+
+
+@torch.no_grad()
+def _advance_converted(state, student: nn.Module, activations: list[Tensor], kwargs: list[list[dict]],
+                       projection: str) -> None:
+    """Run the converted layer (the original layer with `student` as its attention) over the
+    converted activations, in place: they become the next layer's converted inputs."""
+    device = next(state.layer.parameters()).device
+    name = _attention_name(projection)
+    state.layer.set_submodule(name, student)
+    try:
+        for s, x in enumerate(activations):
+            out = state.layer(x.to(device, torch.float32)[None], **kwargs[s][state.index])
+            out = out[0] if isinstance(out, tuple) else out
+            activations[s] = out[0].to("cpu", x.dtype)
+    finally:
+        state.layer.set_submodule(name, state.attention)
+
+
+@dataclass
+class LayerRefiner:
+    """Refines each layer's start right after it is made (`Layerwise.refiner`)."""
+
+    settings: RefineSettings
+    family: Family
+    config: Any  # the converted model's (text) config, a transformers PretrainedConfig
+    calibration: Any  # the bound `calibrate.Calibration` (keep_attention_inputs=True)
+    record: dict[str, Any] = field(default_factory=dict)  # the plan's `refinement`, filled layer by layer
+
+    def __call__(self, layer: str, start: dict[str, Tensor]) -> dict[str, Tensor]:
+        began = time.perf_counter()
+        state = self.calibration.state(layer)
+        if state is None:
+            why = self.calibration.record.get("why_not_streamed")
+            if why:
+                raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do "
+                                 f"({why}); convert without --refine")
+            raise RuntimeError(f"the calibration stream is not at layer {layer.rstrip('.')} when it is refined")
+        if len(state.attention_inputs) < 2:
+            raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
+                             f"{len(state.attention_inputs)}; raise --calib-tokens or use more documents")
+        device = next(state.attention.parameters()).device
+        student = _student(state, self.config, self.family, start, device)
+        stream = self.calibration.stream
+        converted = self.settings.inputs == "converted"
+        if converted:  # the converted model's own attention inputs (earlier layers refined)
+            inputs, kwargs = _attention_inputs(state, stream.converted, stream.kwargs)
+        else:
+            inputs, kwargs = [x.to(device) for x in state.attention_inputs], state.attention_kwargs
+        call = refine.call_with(kwargs)
+        with torch.no_grad():  # targets: the ORIGINAL module's outputs on those inputs
+            targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
+        result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
+                                         lr=self.settings.lr, seed=self.settings.seed)
+        if converted:
+            _advance_converted(state, student, stream.converted, stream.kwargs, stream.projections[state.index])
+        params = dict(student.named_parameters())
+        out = {}
+        for module, role in self.family.modules.roles().items():
+            for param in ("weight", "bias"):
+                key = f"{role}.{param}"
+                if key in start:
+                    out[key] = params[f"{module}.{param}"].detach().to("cpu", start[key].dtype).contiguous()
+        for key in start:
+            if key.startswith("norm:"):
+                out[key] = params[key[5:]].detach().to("cpu", start[key].dtype).contiguous()
+        row = {"layer": state.index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
+        self.record.setdefault("layers", []).append(row)
+        if self.settings.log:
+            self.settings.log(f"refine layer {state.index}: held-out error {result.error_before:.4f} -> "
+                              f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)")
+        return out
