@@ -62,7 +62,7 @@ def test_own_model_and_text_convert_uptrain_and_report(tmp_path, capsys):
     text.write_text(TRAIN_TXT.read_text())
     out = tmp_path / "demo"
     assert main(["--model", str(model), "--data", str(text), "--out", str(out), "--stories", "3",
-                 "--calib-tokens", "2048", "budget.tokens=16384", "optim.warmup_steps=2",
+                 "--calib-tokens", "2048", "--tasks", "none", "budget.tokens=16384", "optim.warmup_steps=2",
                  "log.progress_bar=false"]) == 0
     printed = capsys.readouterr().out
     assert "peak lr 0.0001" in printed and "lr_sweep" in printed  # the lr it chose and how to choose better
