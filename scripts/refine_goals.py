@@ -64,7 +64,7 @@ def refine_folder(source: Path, folder: Path, calib: Path, out: Path, steps: int
                 layers=[r.as_dict() for r in results])
 
 
-def reference(steps: int) -> None:
+def reference(steps: int, extra_lr: list[float]) -> None:
     from prepare import split_corpora
     if not rs.TRAIN.exists():
         split_corpora(REPO / "examples" / "data" / "paper", rs.TRAIN.parent, val_share=0.05)
@@ -77,6 +77,7 @@ def reference(steps: int) -> None:
     cells = [(rs.CONTROL, 0.005, RECIPE), ("kv4-fit-refine", 0.0, []), ("kv4-fit-refine", 0.005, RECIPE),
              ("kv1-fit-refine", 0.0, []), ("kv1-fit-refine", 0.005, RECIPE),
              ("kv4-fit", 0.005, RECIPE), ("kv1-fit", 0.005, RECIPE)]
+    cells += [(f"kv{kv}-fit-refine", 0.005, rs.merged(RECIPE, [f"optim.lr={lr:g}"])) for lr in extra_lr for kv in (4, 1)]
     records = rs.load_records(REF_JSON)
     rs.run_cells(REF_JSON, [c for c in cells if rs.cell_key(*c) not in records], 16, 1, 1)
 
@@ -93,33 +94,39 @@ def uptrain(model: Path, run_dir: Path, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def stories(steps_list: list[int], budgets: list[int], plain: bool) -> None:
+def stories(steps_list: list[int], budgets: list[int], plain: bool, refined: bool, out: Path = OUT,
+            rows: Path = STORIES_JSONL) -> None:
     from uptrain.data import DataSource, read_documents
     from uptrain.demo import EXAMPLES, TRAIN, VALID, held_out_loss
     source = EXAMPLES / "stories260K-mha8"
     valid = read_documents(DataSource(files=[str(VALID)]))
-    start = OUT / "stories-kv2-fit-similar"
-    t0 = time.perf_counter()
-    convert(str(source), start, 2, "fit", force=True, calibration=Calibration(TRAIN, 16384, "cpu"), grouping="similar")
-    convert_seconds = time.perf_counter() - t0
+    start = out / "stories-kv2-fit-similar"
+    starts = [(f"fit+calib+similar+refine{s}", out / f"stories-kv2-refine{s}", s) for s in steps_list]
+    done = all((folder / "config.json").exists() for _, folder, _ in starts)  # a rerun: uptrain only
 
     def write(row: dict) -> None:
         row |= dict(load_now=os.getloadavg(), machine=f"{os.cpu_count()} cores", torch=torch.__version__)
         print(json.dumps({k: v for k, v in row.items() if k != "layers"}), flush=True)
-        with open(STORIES_JSONL, "a") as f:
+        with open(rows, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    write(dict(model="source", loss=held_out_loss(source, valid)[0]))
-    write(dict(model="fit+calib+similar", convert_seconds=round(convert_seconds, 1), loss=held_out_loss(start, valid)[0]))
-    starts = [(f"fit+calib+similar+refine{s}", OUT / f"stories-kv2-refine{s}", s) for s in steps_list]
-    for name, folder, steps in starts:
+    if not done:
+        t0 = time.perf_counter()
+        convert(str(source), start, 2, "fit", force=True, calibration=Calibration(TRAIN, 16384, "cpu"),
+                grouping="similar")
+        write(dict(model="source", loss=held_out_loss(source, valid)[0]))
+        write(dict(model="fit+calib+similar", convert_seconds=round(time.perf_counter() - t0, 1),
+                   loss=held_out_loss(start, valid)[0]))
+    for name, folder, steps in [] if done else starts:
         info = refine_folder(source, start, TRAIN, folder, steps)
         write(dict(model=name, loss=held_out_loss(folder, valid)[0], **info))
+    if not refined:
+        starts = []
     if plain:
         starts.append(("fit+calib+similar", start, 0))
     for tokens in budgets:
         for name, folder, _ in starts:
-            run_dir = OUT / f"uptrain-{folder.name}-{tokens}"
+            run_dir = out / f"uptrain-{folder.name}-{tokens}"
             seconds = uptrain(folder, run_dir, tokens)
             finished = json.loads((run_dir / "finished.json").read_text())
             write(dict(model=f"{name} + demo uptraining", tokens=tokens, trained_tokens=finished["tokens"],
@@ -133,18 +140,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[1200], help="refine step caps")
     p.add_argument("--tokens", type=int, nargs="+", default=[400000], help="stories: uptraining budgets")
     p.add_argument("--plain", action="store_true", help="stories: also uptrain the unrefined start")
+    p.add_argument("--out", type=Path, help="stories: work here and write the rows to OUT/rows.jsonl (a timing run)")
+    p.add_argument("--no-refined", action="store_true", help="stories: uptrain only the unrefined start (--plain)")
+    p.add_argument("--extra-lr", type=float, nargs="*", default=[],
+                   help="reference: also uptrain the refined starts at alpha 0.005 with these peak lrs")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.goal == "reference":
-        reference(args.steps[0])
+        reference(args.steps[0], args.extra_lr)
     elif args.goal == "stories":
-        stories(args.steps, args.tokens, args.plain)
+        extra = dict(out=args.out, rows=args.out / "rows.jsonl") if args.out else {}
+        stories(args.steps, args.tokens, args.plain, not args.no_refined, **extra)
     else:
         records = rs.load_records(REF_JSON)
         control = records[rs.cell_key(rs.CONTROL, 0.005, RECIPE)]["val_loss"]
-        print("| start | alpha | val loss | vs control |\n|---|---|---|---|")
+        print("| start | alpha | overrides | val loss | vs control | steps | tokens | seconds |\n|---|---|---|---|---|---|---|---|")
         for r in records.values():
-            print(f"| {r['start']} | {r['alpha']} | {r['val_loss']:.4f} | {(r['val_loss'] - control) / control:+.2%} |")
+            print(f"| {r['start']} | {r['alpha']} | {' '.join(r['overrides'])} | {r['val_loss']:.4f} "
+                  f"| {(r['val_loss'] - control) / control:+.2%} | {r['steps']} | {r['tokens']} | {r['seconds']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def save_refined(model, converted_folder: Path, out: Path) -> None:
     model.save_pretrained(out)
     written = {f.name for f in out.iterdir()}
     for f in converted_folder.iterdir():
-        if f.is_file() and f.name not in written and not f.name.endswith(".safetensors"):
+        if f.is_file() and f.name not in written and ".safetensors" not in f.name:  # the converted weights and their shard index
             shutil.copy2(f, out / f.name)
 
 
