@@ -101,8 +101,7 @@ def stories(steps_list: list[int], budgets: list[int], plain: bool, refined: boo
     source = EXAMPLES / "stories260K-mha8"
     valid = read_documents(DataSource(files=[str(VALID)]))
     start = out / "stories-kv2-fit-similar"
-    starts = [(f"fit+calib+similar+refine{s}", out / f"stories-kv2-refine{s}", s) for s in steps_list]
-    done = all((folder / "config.json").exists() for _, folder, _ in starts)  # a rerun: uptrain only
+    starts = [(f"fit+calib+similar+refine{s}", out / f"stories-kv2-refine{s}", s) for s in steps_list] if refined else []
 
     def write(row: dict) -> None:
         row |= dict(load_now=os.getloadavg(), machine=f"{os.cpu_count()} cores", torch=torch.__version__)
@@ -110,18 +109,17 @@ def stories(steps_list: list[int], budgets: list[int], plain: bool, refined: boo
         with open(rows, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    if not done:
+    if not (start / "config.json").exists():  # a rerun reuses the start and the refined folders
         t0 = time.perf_counter()
         convert(str(source), start, 2, "fit", force=True, calibration=Calibration(TRAIN, 16384, "cpu"),
                 grouping="similar")
         write(dict(model="source", loss=held_out_loss(source, valid)[0]))
         write(dict(model="fit+calib+similar", convert_seconds=round(time.perf_counter() - t0, 1),
                    loss=held_out_loss(start, valid)[0]))
-    for name, folder, steps in [] if done else starts:
-        info = refine_folder(source, start, TRAIN, folder, steps)
-        write(dict(model=name, loss=held_out_loss(folder, valid)[0], **info))
-    if not refined:
-        starts = []
+    for name, folder, steps in starts:
+        if not (folder / "config.json").exists():
+            info = refine_folder(source, start, TRAIN, folder, steps)
+            write(dict(model=name, loss=held_out_loss(folder, valid)[0], **info))
     if plain:
         starts.append(("fit+calib+similar", start, 0))
     for tokens in budgets:
