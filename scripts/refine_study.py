@@ -2,6 +2,9 @@
 
     PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model stories --kv 2 1 [--json out.json]
     PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model reference --kv 4 2 1
+    # keep the refined model (a folder like the converter's) for uptraining: one combination -> DIR,
+    # several -> DIR/kvK-START-steps..-lr..-batch..-INPUTS
+    ... --model stories --kv 2 --starts fit --save runs/stories-kv2-refined
     # a sweep: every combination of the listed values, from the fit+calib start
     ... --starts fit --steps 100 300 --lr 1e-3 3e-3 1e-2 --batch 2 4 8 --inputs original converted
 
@@ -23,6 +26,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -72,6 +76,17 @@ def loss(model, tokenizer, s: dict) -> float:
     return evaluate(model, tokenize_texts(tokenizer, s["texts"]), s["max_length"], s["stride"]).loss
 
 
+def save_refined(model, converted_folder: Path, out: Path) -> None:
+    """Write the refined `model` to `out` as the converter writes a folder: weights and config with
+    `save_pretrained`, plus every other file of the converted folder (tokenizer, conversion record)."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    written = {f.name for f in out.iterdir()}
+    for f in converted_folder.iterdir():
+        if f.is_file() and f.name not in written and ".safetensors" not in f.name:  # the converted weights and their shard index
+            shutil.copy2(f, out / f.name)
+
+
 def report(files: list[Path]) -> None:
     """Markdown rows of the JSON lines written by --json. Rows run without a mean start take mean
     pooling's loss from results/conversion-methods-*.json (the same evaluation)."""
@@ -113,6 +128,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, help="append the rows (JSON lines) to this file")
+    p.add_argument("--save", type=Path, help="save each refined model (with the tokenizer) here: the folder itself "
+                   "for one combination, else one subfolder per combination")
     args = p.parse_args()
     if args.report:
         return report(args.report)
@@ -157,6 +174,12 @@ def main() -> None:
                     gap = "" if mean_loss is None else f" gap closed {(mean_loss - refined) / (mean_loss - base):.1%}"
                     print(f"kv {kv} {method}+refine inputs={inputs} steps={steps} lr={lr} batch={batch}: "
                           f"{start_loss:.4f} -> {refined:.4f}{gap} ({seconds:.0f}s, load {row['load']:.1f})", flush=True)
+                    if args.save:
+                        one = len(args.kv) * len(starts) * len(args.inputs) * len(args.steps) * len(args.lr) * len(args.batch) == 1
+                        out = args.save if one else args.save / f"kv{kv}-{method}-steps{steps}-lr{lr:g}-batch{batch}-{inputs}"
+                        save_refined(converted, folder, out)
+                        row["saved"] = str(out)
+                        print(f"saved {out}", flush=True)
                     if args.json:
                         with open(args.json, "a") as f:
                             f.write(json.dumps(row) + "\n")
