@@ -13,8 +13,8 @@ from uptrain.measure.eval import evaluate_paths
 
 
 def test_demo_converts_uptrains_and_reports(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "demo"), "--stories", "3", "budget.tokens=16384", "optim.warmup_steps=2",
-                 "log.progress_bar=false"]) == 0
+    assert main(["--out", str(tmp_path / "demo"), "--stories", "3", "--calib-tokens", "4096", "--refine-steps", "40",
+                 "budget.tokens=16384", "optim.warmup_steps=2", "log.progress_bar=false"]) == 0
     out, _, tasks = capsys.readouterr().out.partition("lm-eval task scores")  # loss table, then task table
     losses = {name: float(loss) for name, loss in
               re.findall(r"\| (MHA source|GQA-2, converted|GQA-2, uptrained)[^|]*\| ([0-9.]+)", out)}
@@ -34,7 +34,7 @@ def test_stories_counts_whole_stories_not_lines(tmp_path, capsys):
                "The sun was hot.\nSam and Mia went to the lake to swim with their mom."]
     valid = tmp_path / "valid.txt"
     valid.write_text("\n\n".join(stories) + "\n")
-    assert main(["--out", str(tmp_path / "demo"), "--skip-uptrain", "--valid", str(valid), "--stories", "2",
+    assert main(["--out", str(tmp_path / "demo"), "--skip-uptrain", "--valid", str(valid), "--stories", "2", "--refine-steps", "0",
                  "--tasks", "none"]) == 0
     out = capsys.readouterr().out
     assert "(2 stories," in out
@@ -62,7 +62,7 @@ def test_own_model_and_text_convert_uptrain_and_report(tmp_path, capsys):
     text.write_text(TRAIN_TXT.read_text())
     out = tmp_path / "demo"
     assert main(["--model", str(model), "--data", str(text), "--out", str(out), "--stories", "3",
-                 "--calib-tokens", "2048", "--tasks", "none", "budget.tokens=16384", "optim.warmup_steps=2",
+                 "--calib-tokens", "2048", "--refine-steps", "20", "--tasks", "none", "budget.tokens=16384", "optim.warmup_steps=2",
                  "log.progress_bar=false"]) == 0
     printed = capsys.readouterr().out
     assert "peak lr 0.0001" in printed and "lr_sweep" in printed  # the lr it chose and how to choose better
