@@ -244,7 +244,8 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
     """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record.
 
     Losses stay on the device between sync points (uptrain/train/health.py): every log.every
-    steps, before each evaluation and checkpoint, at a stop signal and at the last step.
+    steps, before each evaluation and checkpoint (the one a stop signal writes included), and at
+    the last step.
     Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
     """
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
