@@ -6,7 +6,11 @@ Modules, from facts to I/O:
 - heads: pure head math on tensors (pool, repeat, split/merge fused layouts)
 - tensors: which output tensor comes from which source tensors by which rule
 - source: reading source checkpoints (local or Hub; safetensors headers, .bin)
-- shards: the streaming safetensors shard writer and the all-or-nothing output folder
+- shards: the streaming safetensors shard writer; output_dir: the all-or-nothing output folder
+- fit, grouping: the closed-form fit and head grouping (pure math); layerwise: a layer's attention
+  tensors made together (`--method fit`, `--grouping similar`, `--refine`)
+- calibrate, layer_stream: `--calib`, the original model run one decoder layer at a time
+- refine, refine_layer: `--refine`, each converted attention layer tuned to the original's output
 - plan, modelcard: what is printed and written about a conversion
 - pipeline: prepare + write; __main__: the CLI
 

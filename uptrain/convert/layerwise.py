@@ -1,13 +1,16 @@
-"""Conversions that change a whole attention layer at once: `--method fit` and `--grouping similar`.
+"""Conversions that change a whole attention layer at once: `--method fit`, `--grouping similar`, `--refine`.
 
-The streaming converter makes each output tensor from its own source tensors. These two couple
-the projections of a layer (the fit folds key scales into q_proj and refits o_proj; a grouping
-permutes q/k/v rows and o_proj columns together), so here every attention tensor of a layer is
-made from all of that layer's attention tensors: the layer is transformed once, on its first
-output, cached, and dropped when its last output is taken (memory stays near one layer).
+The streaming converter makes each output tensor from its own source tensors. These couple the
+projections of a layer (the fit folds key scales into q_proj and refits o_proj; a grouping
+permutes q/k/v rows and o_proj columns together; refinement tunes them all), so here every
+attention tensor of a layer is made from all of that layer's attention tensors, read once with
+the layer's first output: the layer is transformed once, cached, and dropped as its outputs are
+taken (memory stays near one layer). Layers are built in numeric order, so that the calibration
+stream holds layer L's original module and inputs when layer L is refined.
 
-Which families this can treat exactly is decided by `check_layerwise` from the config: a one-line
-UsageError names what works instead (`--method mean`, `--grouping contiguous`).
+Which families the fit and the grouping can treat exactly is decided by `check_layerwise` from the
+config: a one-line UsageError names what works instead (`--method mean`, `--grouping
+contiguous`); with `--refine` a family the fit refuses starts from `mean`.
 """
 
 from __future__ import annotations
