@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
 import recipe_study as rs  # noqa: E402
-from refine_study import calibration_sequences, save_refined  # noqa: E402
+from refine_study import save_refined, sequences_of  # noqa: E402
 
 from uptrain.convert import convert  # noqa: E402
 from uptrain.convert.calibrate import Calibration  # noqa: E402
@@ -55,7 +55,7 @@ def refine_folder(source: Path, folder: Path, calib: Path, out: Path, steps: int
     """Refine the converted `folder` towards `source` on the first 16,384 tokens of `calib`; save to `out`."""
     original, tokenizer = load_model(str(source), dtype="float32")
     converted = load_model(str(folder), dtype="float32", with_tokenizer=False)[0]
-    seqs = calibration_sequences(tokenizer, calib, 16384, min(2048, original.config.max_position_embeddings))
+    seqs = sequences_of(tokenizer, calib, 16384, min(2048, original.config.max_position_embeddings))
     t0 = time.perf_counter()
     results = refine_model(original, converted, seqs, steps=steps, seed=0, log=lambda m: print("  " + m, flush=True))
     seconds = time.perf_counter() - t0

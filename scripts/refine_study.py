@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
 from uptrain.convert import convert  # noqa: E402
-from uptrain.convert.calibrate import Calibration, read_calibration_texts  # noqa: E402
+from uptrain.convert.calibrate import Calibration, calibration_sequences, read_calibration_texts  # noqa: E402
 from uptrain.convert.refine import refine_model  # noqa: E402
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts  # noqa: E402
 
@@ -53,23 +53,16 @@ def setup(name: str, tmp: Path) -> dict:
         return dict(checkpoint=REPO / "examples/stories260K-mha8", calib=REPO / "examples/data/tinystories-train-sample.txt",
                     texts=texts, max_length=512, stride=256)
     from prepare import split_corpora  # scripts/paper/prepare.py: the paper reproduction's split
-    split_corpora(REPO.parent / "shared" / "data" / "corpora", tmp, val_share=0.05)
+    split_corpora(REPO / "examples" / "data" / "paper", tmp, val_share=0.05)  # shipped, = ../shared's (md5)
     texts = [json.loads(line)["text"] for line in (tmp / "val.jsonl").read_text().splitlines()][:DOCS]
     return dict(checkpoint=REPO / "results/paper/reference-mha8", calib=tmp / "train.jsonl",
                 texts=texts, max_length=256, stride=192)
 
 
-def calibration_sequences(tokenizer, path: Path, tokens: int, window: int) -> list[torch.Tensor]:
-    """The first `tokens` tokens of the calibration file (the tokens `Calibration` uses), in
-    pieces of at most `window` tokens, one document per piece at most."""
-    out, used = [], 0
-    for text in read_calibration_texts(path):
-        ids = tokenizer(text)["input_ids"][: tokens - used]
-        out += [torch.tensor(ids[b:b + window]) for b in range(0, len(ids), window) if len(ids[b:b + window]) > 1]
-        used += len(ids)
-        if used >= tokens:
-            break
-    return out
+def sequences_of(tokenizer, path: Path, tokens: int, window: int) -> list[torch.Tensor]:
+    """What `--calib` runs (`calibrate.calibration_sequences`) as tensors, single tokens left out."""
+    seqs, _, _ = calibration_sequences(read_calibration_texts(path), tokenizer, tokens, window)
+    return [torch.tensor(s) for s in seqs if len(s) > 1]
 
 
 def loss(model, tokenizer, s: dict) -> float:
@@ -141,7 +134,7 @@ def main() -> None:
         base = loss(original, tokenizer, s)
         print(f"original {base:.4f}", flush=True)
         window = min(2048, original.config.max_position_embeddings)
-        seqs = calibration_sequences(tokenizer, s["calib"], args.calib_tokens, window)
+        seqs = sequences_of(tokenizer, s["calib"], args.calib_tokens, window)
         print(f"calibration: {len(seqs)} sequences, {sum(len(x) for x in seqs)} tokens", flush=True)
         calibration = Calibration(s["calib"], args.calib_tokens, args.device)
         for kv in args.kv:
