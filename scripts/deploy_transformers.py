@@ -246,11 +246,13 @@ def summary(results: dict[str, dict[str, Any]], tolerance: float) -> str:
             rows.append([name, "skipped", "", "", r["skipped"]])
             continue
         diffs = {k: v for k, v in r.items() if k.endswith("_diff")}
-        shape = (r.get("kv_shapes") or r.get("kv_buffer_shapes") or r.get("past_keys_input_shape") or r.get("problems")
-                 or f"{r['projections_checked']} q/k/v projections match config.json")
+        shape = next((json.dumps(r[k]) for k in ("kv_shapes", "kv_buffer_shapes", "past_keys_input_shape", "problems")
+                      if r.get(k)), "")
+        if not shape and "projections_checked" in r:
+            shape = f"{r['projections_checked']} q/k/v projections match config.json"
         rows.append([name, "pass" if passed(r, tolerance) else "FAIL", r.get("tokens_equal", ""),
                      " ".join(f"{k.replace('_max_abs_diff', '').replace('max_abs_', '')}={v:.2e}" for k, v in diffs.items()),
-                     json.dumps(shape)])
+                     shape])
     return format_table(["check", "verdict", "tokens equal", "max abs diff", "K/V shape / problems"], rows)
 
 
