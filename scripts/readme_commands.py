@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b")
 COPIED = ("examples", "configs", "results", "scripts")
 # README.md first, then the reference pages in the order their commands build on each other
-PAGES = ("README.md", "docs/convert.md", "docs/uptrain.md", "docs/measure.md", "docs/own-model.md",
+PAGES = ("README.md", "docs/convert.md", "docs/uptrain.md", "docs/measure.md", "docs/deploy.md",
+         "docs/own-model.md",
          "docs/paper.md", "docs/guarantees.md", "docs/layout.md")
 
 
