@@ -251,7 +251,8 @@ def summary(results: dict[str, dict[str, Any]], tolerance: float) -> str:
         if not shape and "projections_checked" in r:
             shape = f"{r['projections_checked']} q/k/v projections match config.json"
         rows.append([name, "pass" if passed(r, tolerance) else "FAIL", r.get("tokens_equal", ""),
-                     " ".join(f"{k.replace('_max_abs_diff', '').replace('max_abs_', '')}={v:.2e}" for k, v in diffs.items()),
+                     " ".join(f"{k.replace('_max_abs_diff', '').replace('max_abs_', '')}={v:.2e}"
+                              for k, v in diffs.items()),
                      shape])
     return format_table(["check", "verdict", "tokens equal", "max abs diff", "K/V shape / problems"], rows)
 
@@ -307,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = args.out / "model.onnx" if args.out else Path(tmp) / "model.onnx"
             results["onnx"] = onnx_check(model, ids, args.new_tokens, reference, prefill, path)
-    print(f"{args.model}: {model.config.num_attention_heads} query heads, {model.config.num_key_value_heads} K/V heads; "
-          f"prompt {ids.shape[1]} tokens ({source}), {args.new_tokens} greedy tokens; float32; tolerance {args.tolerance:g}")
+    cfg = model.config
+    print(f"{args.model}: {cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} K/V heads; prompt "
+          f"{ids.shape[1]} tokens ({source}), {args.new_tokens} greedy tokens; float32; tolerance {args.tolerance:g}")
     print(summary(results, args.tolerance))
     ok = all(passed(r, args.tolerance) for r in results.values() if "skipped" not in r)
     if args.json:
