@@ -140,16 +140,21 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
 
 # ------------------------------------------------------------------ whole models in memory
 
-_ATTENTION = r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attention)$"
-
-
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention module of each decoder layer (`...layers.N.self_attn`), in layer order."""
+    """The attention module of each decoder layer, in layer order: the modules the registry names for
+    the model's type (`Attention.module`: `self_attn`, `attn`, ...) directly under a numbered layer."""
     import re
 
-    found = {int(m[1]): mod for name, mod in model.named_modules() if (m := re.search(_ATTENTION, name))}
+    from uptrain.convert.architectures import attention_for
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    attention = attention_for(model_type) if model_type else None
+    if attention is None:
+        raise ValueError(f"model type {model_type!r} is not in the registry (uptrain/convert/architectures.py)")
+    pattern = re.compile(rf"(?:^|\.)(\d+)\.{re.escape(attention.module)}$")
+    found = {int(m[1]): mod for name, mod in model.named_modules() if (m := pattern.search(name))}
     if not found or sorted(found) != list(range(len(found))):
-        raise ValueError("found no `layers.N.self_attn` attention modules in the model")
+        raise ValueError(f"found no numbered decoder layers holding a `{attention.module}` module in the model")
     return [found[i] for i in range(len(found))]
 
 
