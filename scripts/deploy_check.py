@@ -66,7 +66,8 @@ def llama_logits(llm, ids: list[int]):
     return torch.from_numpy(llm.scores[: len(ids)].copy())
 
 
-def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: str, threads: int, tmp: Path) -> dict:
+def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: str, threads: int, tmp: Path,
+                kv_type: str = "f16") -> dict:
     """All checks of one model folder (see the module docstring); a JSON-able dict."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -80,9 +81,9 @@ def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: s
     limit = config.max_position_embeddings
     n_ctx = min(n_ctx, limit)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm, _, kv = gguf.load_llama(out, n_ctx, threads, logits_all=True)
+    llm, _, kv = gguf.load_llama(out, n_ctx, threads, logits_all=True, kv_type=kv_type)
     meta = gguf.gguf_meta(llm)
-    row: dict = {"model": str(folder), "gguf": out.name, "outtype": outtype, "gguf_bytes": out.stat().st_size,
+    row: dict = {"model": str(folder), "gguf": out.name, "outtype": outtype, "kv_type": kv_type, "gguf_bytes": out.stat().st_size,
                  "n_ctx": n_ctx, "config_kv_heads": shape.kv_heads,
                  "gguf_head_count_kv": gguf.arch_value(meta, "attention.head_count_kv"),
                  "gguf_tokenizer": meta.get("tokenizer.ggml.model")}
@@ -108,13 +109,14 @@ def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: s
                        "formula_bytes": formula, "formula": f"2 x {shape.layers} layers x {shape.kv_heads} "
                        f"kv_heads x {shape.head_dim} head_dim x {TYPE_BYTES.get(kv.k_type, 2)} B x {kv.cells} cells",
                        "equal_within_log_rounding": abs(kv.bytes - formula) <= 0.005 * gguf.MIB + 1}
-    llm.close()
+    with gguf.quiet():
+        llm.close()
     return row
 
 
 def markdown(rows: list[dict]) -> str:
     """One table of the checks, a row per model."""
-    head = ("| model | GGUF | head_count_kv (config) | logits max abs diff | argmax agree | ppl ids: transformers / llama.cpp "
+    head = ("| model | GGUF; KV cache | head_count_kv (config) | logits max abs diff | argmax agree | ppl ids: transformers / llama.cpp "
             "| raw text: same tokens? | ppl raw text: transformers / llama.cpp | KV llama.cpp (formula) |\n"
             "|---|---|---|---|---|---|---|---|---|\n")
     lines = []
@@ -123,7 +125,7 @@ def markdown(rows: list[dict]) -> str:
         raw_same = "n/a (random ids)" if raw is None else (
             f"{'yes' if raw['identical'] else 'NO'} ({raw['tokens_transformers']} / {raw['tokens_llama_cpp']} tokens)")
         raw_ppl = "n/a" if raw is None else f"{raw['ppl_transformers']:.4f} / {raw['ppl_llama_cpp']:.4f}"
-        lines.append(f"| {r['model']} | {r['outtype']}, {r['gguf_bytes'] / gguf.MIB:.1f} MiB | {r['gguf_head_count_kv']} "
+        lines.append(f"| {r['model']} | {r['outtype']}, {r['gguf_bytes'] / gguf.MIB:.1f} MiB; KV {r['kv_type']} | {r['gguf_head_count_kv']} "
                      f"({r['config_kv_heads']}) | {s['max_abs_diff']:.2e} | {s['argmax_agree']}/{s['positions']} | "
                      f"{s['ppl_transformers']:.4f} / {s['ppl_llama_cpp']:.4f} | {raw_same} | {raw_ppl} | "
                      f"{kv['llama_cpp_bytes'] / gguf.MIB:.2f} MiB ({kv['formula_bytes'] / gguf.MIB:.2f} MiB: {kv['formula']}) |")
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", type=Path, help="Hugging Face model folders")
     parser.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp checkout with convert_hf_to_gguf.py (or $LLAMA_CPP_DIR)")
     parser.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"], help="GGUF weight type")
+    parser.add_argument("--kv-type", default="f16", choices=gguf.KV_TYPES,
+                        help="llama.cpp's KV cache type (f16: its default; f32 for an exact comparison)")
     parser.add_argument("--n-ctx", type=int, default=512, help="context (tokens), capped at the model's limit")
     parser.add_argument("--text", type=Path, default=REPO / "examples" / "data" / "tinystories-valid-sample.txt")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: uptrain.threads' choice)")
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="deploy-check-") as tmp:
             where = args.keep_gguf or Path(tmp)
             where.mkdir(parents=True, exist_ok=True)
-            rows = [check_model(m, converter, args.outtype, args.n_ctx, text, threads, where) for m in args.models]
+            rows = [check_model(m, converter, args.outtype, args.n_ctx, text, threads, where, args.kv_type)
+                    for m in args.models]
     except UsageError as e:
         print(f"deploy_check: {e}", file=sys.stderr)
         return 2

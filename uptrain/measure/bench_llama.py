@@ -130,7 +130,8 @@ def bench_gguf(name: str, path: Path, contexts: Sequence[int], new_tokens: int, 
             per_cell = kv.bytes / kv.cells
             result.decode.append(LlamaDecode(context, new_tokens, speeds, gguf.rss_bytes(),
                                              round(per_cell * context), note))
-    llm.close()
+    with gguf.quiet():
+        llm.close()
     return result
 
 

@@ -87,17 +87,23 @@ def parse_kv_line(log: str) -> KvCache | None:
     return KvCache(round(float(total) * MIB), int(cells), int(layers), k_type, v_type)
 
 
-def load_llama(gguf: Path, n_ctx: int, threads: int, logits_all: bool = False):
-    """(llama_cpp.Llama, its load log, its KvCache) for a GGUF file with an `n_ctx`-token context.
+KV_TYPES = ("f16", "f32", "q8_0")  # llama.cpp's KV cache types offered (f16 is its default)
+
+
+def load_llama(gguf: Path, n_ctx: int, threads: int, logits_all: bool = False, kv_type: str = "f16"):
+    """(llama_cpp.Llama, its load log, its KvCache) for a GGUF file with an `n_ctx`-token context
+    whose K and V caches hold `kv_type` (one of KV_TYPES).
 
     The log (llama.cpp's, through llama-cpp-python's callback to sys.stderr) is captured, not
     shown: it is long, and its KV line is the number we want.
     """
     llama_cpp = require_llama_cpp()
+    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
     log = io.StringIO()
     with contextlib.redirect_stderr(log):
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
-                              n_threads_batch=threads, logits_all=logits_all, verbose=True, seed=0)
+                              n_threads_batch=threads, logits_all=logits_all, verbose=True, seed=0,
+                              type_k=ggml_type, type_v=ggml_type)
     text = log.getvalue()
     return llm, text, parse_kv_line(text)
 
