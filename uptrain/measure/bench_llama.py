@@ -99,7 +99,7 @@ def bench_gguf(name: str, path: Path, contexts: Sequence[int], new_tokens: int, 
     n_ctx = max(contexts) + new_tokens
     llm, _, kv = gguf.load_llama(path, n_ctx, threads)
     meta = gguf.gguf_meta(llm)
-    limit = llm.n_ctx_train()
+    limit = gguf.arch_value(meta, "context_length") or n_ctx
     if max(contexts) + new_tokens > limit:
         raise UsageError(f"{name}: context {max(contexts)} + {new_tokens} new tokens exceeds the model's limit "
                          f"{limit} tokens; pass smaller --context values")
@@ -204,8 +204,12 @@ def plot_llama_decode(results: Sequence[LlamaBench], out: Path) -> Path:
         med = [d.median for d in r.decode]
         err = [[m - min(d.tokens_per_s) for m, d in zip(med, r.decode)], [max(d.tokens_per_s) - m for m, d in zip(med, r.decode)]]
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"{Path(r.model).name} ({r.kv_heads} K/V heads)")
+    threads = results[0].threads
+    contexts = sorted({d.context for r in results for d in r.decode})
     ax.set(xscale="log", xlabel="context (cached tokens)", ylabel="decode tokens/s",
-           title=f"llama.cpp greedy decode, {results[0].threads} threads")
+           title=f"llama.cpp greedy decode, {threads} thread{'s' * (threads > 1)}")
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
