@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -99,9 +100,9 @@ def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: s
     t = torch.tensor(ids)
     row["same_ids"] = logit_agreement(a, b) | {"ppl_transformers": perplexity(a, t), "ppl_llama_cpp": perplexity(b, t)}
     if has_tokenizer:
-        same = sum(x == y for x, y in zip(hf_ids, ll_ids))
+        first = next((i for i, (x, y) in enumerate(zip(hf_ids, ll_ids)) if x != y), None)
         row["raw_text"] = {"tokens_transformers": len(hf_ids), "tokens_llama_cpp": len(ll_ids),
-                           "identical": hf_ids == ll_ids, "leading_positions_equal": same,
+                           "identical": hf_ids == ll_ids, "first_difference": first,
                            "ppl_transformers": perplexity(a, t),
                            "ppl_llama_cpp": perplexity(llama_logits(llm, ll_ids), torch.tensor(ll_ids))}
     formula = kv_formula(shape.layers, shape.kv_heads, shape.head_dim, kv.k_type, kv.cells)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deploy_check: {e}", file=sys.stderr)
         return 2
     for r in rows:
-        r["machine"] = f"{platform.machine()} {platform.processor() or ''}, {threads} threads".strip()
+        r["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} thread{'s' * (threads > 1)}"
     table = markdown(rows)
     print(table)
     if args.json:
