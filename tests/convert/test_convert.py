@@ -62,6 +62,8 @@ def test_output_folder_is_complete(mha8, tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors(out).values())
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md", RECORD_FILE):
         assert (out / name).is_file(), name
+    # the SentencePiece model llama.cpp's GGUF converter reads, copied byte for byte
+    assert (out / "tokenizer.model").read_bytes() == (Path(mha8) / "tokenizer.model").read_bytes()
     record = json.loads((out / RECORD_FILE).read_text())
     assert record["new_kv_heads"] == 2 and record["dims"]["kv_heads"] == 8 and record["kv_reduction"] == 4.0
     assert "8 query heads share 2 K/V heads" in (out / "README.md").read_text()

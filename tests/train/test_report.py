@@ -25,6 +25,8 @@ def test_final_model_keeps_licence_card_and_records(tmp_path: Path) -> None:
     save_final_model(accelerator, accelerator.prepare(model), tmp_path / "out", source, {"tokens": 123})
     out = tmp_path / "out"
     assert (out / "LICENSE").read_text() == (DEMO_MODEL / "LICENSE").read_text()
+    # llama.cpp's converter reads the SentencePiece model: the final folder keeps it byte for byte
+    assert (out / "tokenizer.model").read_bytes() == (DEMO_MODEL / "tokenizer.model").read_bytes()
     assert (out / "NOTICE.txt").is_file() and (out / "uptrain_conversion.json").is_file()
     assert "| tokens | 123 |" in (out / "README.md").read_text()
     AutoModelForCausalLM.from_pretrained(out)

@@ -1,6 +1,7 @@
 """KV-cache size and decode throughput of causal LMs, measured on this machine.
 
 `python -m uptrain.bench MODEL [MODEL ...] [--context 128 256] [--batch 1 8] [--memory-budget 24GB]`
+(`--runtime llama.cpp`: GGUF files or folders in llama.cpp instead, see `uptrain.measure.bench_llama`)
 
 KV bytes are read from the cache a real forward leaves behind (a DynamicCache whose layers
 hold keys/values [batch, kv_heads, seq, head_dim]) and checked against the config formula
@@ -28,6 +29,7 @@ from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.hfconfig import model_shape
 from uptrain.convert.source import missing_folder_hint
+from uptrain.measure.bench_llama import add_llama_args, llama_tables, plot_llama_decode, run_llama_bench
 from uptrain.measure.eval import LOAD_DTYPES, load_model
 from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads
 from uptrain.units import kv_cache_bytes_per_token, parse_size
@@ -286,11 +288,23 @@ def write_outputs(args: argparse.Namespace, records: list[dict], bench_records: 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: benchmark each MODEL and print KV-cache and decode tables."""
     parser = ArgParser(prog=prog_name("uptrain.bench"), description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", metavar="MODEL", help="local model folders")
+    parser.add_argument("models", nargs="+", metavar="MODEL", help="local model folders (.gguf files too "
+                        "with --runtime llama.cpp)")
     add_bench_args(parser)
+    parser.add_argument("--runtime", default="transformers", choices=["transformers", "llama.cpp"],
+                        help="transformers (generate) or llama.cpp (llama-cpp-python, installed separately)")
+    add_llama_args(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     args = parser.parse_args(argv)
     start_threads(args.threads)
+    if args.runtime == "llama.cpp":
+        found = run_llama_bench(args)
+        print(llama_tables(found), file=sys.stderr if args.json == "-" else sys.stdout)
+        if args.json:
+            write_json([asdict(r) for r in found], args.json)
+        if args.plot:
+            print(f"wrote {plot_llama_decode(found, Path(args.plot) / 'llama-cpp-decode.png')}", file=sys.stderr)
+        return 0
     results = bench_from_args(args, args.models)
     print(bench_tables(results), file=sys.stderr if args.json == "-" else sys.stdout)
     write_outputs(args, [asdict(r) for r in results], [asdict(r) for r in results])
