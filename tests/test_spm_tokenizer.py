@@ -43,7 +43,7 @@ def test_scores_follow_the_merge_priority() -> None:
 
 
 def test_sentencepiece_tokenizes_every_line_as_transformers() -> None:
-    pytest.importorskip("sentencepiece", reason="the optional sentencepiece package (pip install sentencepiece)")
+    pytest.importorskip("sentencepiece", reason="the deploy extra's sentencepiece (pip install -e '.[deploy]'; scripts/setup.sh installs it)")
     lines = make_spm.text_lines([TRAIN_TXT, VALID_TXT])
     assert len(lines) > 1000
     assert make_spm.check(EXAMPLE_MHA8, EXAMPLE_MHA8 / "tokenizer.model", lines) == len(lines)

@@ -139,6 +139,25 @@ def test_layer_state_holds_the_attention_inputs(tmp_path, one_torch_thread):
     assert state.layer.self_attn.q_proj.weight.is_meta and not state.attention_inputs  # layer 1 freed
 
 
+
+@pytest.mark.parametrize("keep", ["nothing", "attention", "layer"])
+def test_the_layer_just_run_keeps_only_what_the_conversion_uses(keep, one_torch_thread):
+    """After sigma(layer): calibration alone frees the whole layer (the fit reads the checkpoint),
+    refinement on the original inputs keeps only the attention module, on the converted inputs the
+    whole layer; the moments are the same in every case."""
+    calibration = Calibration(TRAIN_TXT, 600, keep_attention_inputs=keep != "nothing",
+                              keep_converted=keep == "layer").bind(EXAMPLE_MHA8)
+    sigma = calibration.sigma("model.layers.1.self_attn.")
+    layer = calibration.stream.current.layer
+    attention = [p.is_meta for p in layer.self_attn.parameters()]
+    rest = [p.is_meta for n, p in layer.named_parameters() if not n.startswith("self_attn.")]
+    assert attention and rest
+    assert all(attention) == (keep == "nothing") and not any(attention) == (keep != "nothing")
+    assert all(rest) == (keep != "layer") and not any(rest) == (keep == "layer")
+    reference = Calibration(TRAIN_TXT, 600, keep_attention_inputs=True, keep_converted=True).bind(EXAMPLE_MHA8)
+    torch.testing.assert_close(sigma, reference.sigma("model.layers.1.self_attn."), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ memory: one layer, not the model
 
 LAYERS, WIDTH, FFN, TOKENS = 48, 512, 1024, 256

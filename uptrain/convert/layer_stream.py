@@ -42,7 +42,10 @@ class _Caught(Exception):
 class LayerState:
     """Decoder layer `index` after the calibration sequences ran through it.
 
-    Valid until the stream advances: then `layer` goes back to meta and the lists are emptied.
+    Valid until the stream advances: then `layer` goes back to meta and the lists are emptied. Right
+    after the run only what the conversion uses stays materialised: the attention module where the
+    attention inputs are kept (refinement), the whole layer where the converted activations are kept
+    too (`--refine-inputs converted`), none of it otherwise (the fit reads the checkpoint).
     """
 
     index: int
@@ -307,4 +310,19 @@ class LayerStream:
         state.sigma = (total[0] / state.tokens).cpu()
         self.position += 1
         self.current = state
+        self._keep_only_what_is_used(state)
         return state
+
+    def _keep_only_what_is_used(self, state: LayerState) -> None:
+        """Free the parts of the layer just run that nothing asks for while it is converted: the fit
+        reads the checkpoint itself, refinement on the original inputs runs only the attention module,
+        and only `--refine-inputs converted` runs the whole layer again. At 70B widths the MLP alone
+        is 2.6 GiB in float32, held through the layer's fit and refinement otherwise."""
+        if self.converted is not None:
+            return
+        keep = {id(p) for p in state.attention.parameters()} if self.keep_attention_inputs else set()
+        for module in state.layer.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None and id(param) not in keep and not param.is_meta:
+                    module._parameters[key] = nn.Parameter(param.to("meta"), requires_grad=False)
+        trim_heap()
