@@ -37,6 +37,14 @@ def test_without_llama_cpp_the_bench_refuses_in_one_line_saying_how_to_install()
     assert len(err.splitlines()) == 1 and "pip install llama-cpp-python" in err and "not importable" in err
 
 
+
+def test_settings_llama_cpp_would_not_honour_are_refused_in_one_line() -> None:
+    done = run_bench([str(EXAMPLE_MHA8), "--runtime", "llama.cpp", "--batch", "8", "--dtype", "bfloat16"],
+                     hide_llama_cpp=True)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and "--batch, --dtype apply to --runtime transformers only" in err
+
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="needs llama-cpp-python (without it the refusal is the missing package, tested above)")
 def test_a_folder_without_a_converter_is_refused_in_one_line() -> None:
     done = run_bench([str(EXAMPLE_MHA8), "--runtime", "llama.cpp"], hide_llama_cpp=False)

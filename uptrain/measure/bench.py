@@ -298,6 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_threads(args.threads)
     if args.runtime == "llama.cpp":
+        given = [f"--{name.replace('_', '-')}" for name in ("batch", "memory_budget", "dtype", "device")
+                 if getattr(args, name) != parser.get_default(name)]
+        if given:  # a setting the llama.cpp run would not honour is refused, not silently dropped
+            raise UsageError(f"{', '.join(given)} apply to --runtime transformers only: llama.cpp decodes one "
+                             f"sequence on the CPU in the GGUF's own type (choose it with --outtype)")
         found = run_llama_bench(args)
         print(llama_tables(found), file=sys.stderr if args.json == "-" else sys.stdout)
         if args.json:
