@@ -318,11 +318,16 @@ class LayerStream:
         reads the checkpoint itself, refinement on the original inputs runs only the attention module,
         and only `--refine-inputs converted` runs the whole layer again. At 70B widths the MLP alone
         is 2.6 GiB in float32, held through the layer's fit and refinement otherwise."""
-        if self.converted is not None:
-            return
-        keep = {id(p) for p in state.attention.parameters()} if self.keep_attention_inputs else set()
-        for module in state.layer.modules():
-            for key, param in list(module._parameters.items()):
-                if param is not None and id(param) not in keep and not param.is_meta:
-                    module._parameters[key] = nn.Parameter(param.to("meta"), requires_grad=False)
-        trim_heap()
+        if self.converted is None:
+            free_parameters(state.layer, keep=state.attention if self.keep_attention_inputs else None)
+
+
+def free_parameters(module: nn.Module, keep: nn.Module | None = None) -> None:
+    """Move `module`'s parameters (except those of its submodule `keep`) to the meta device, freeing
+    their memory; the module keeps its structure (shapes, dtypes) and can be read no more."""
+    kept = {id(p) for p in keep.parameters()} if keep is not None else set()
+    for sub in module.modules():
+        for key, param in list(sub._parameters.items()):
+            if param is not None and id(param) not in kept and not param.is_meta:
+                sub._parameters[key] = nn.Parameter(param.to("meta"), requires_grad=False)
+    trim_heap()

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from uptrain.convert import refine
 from uptrain.convert.architectures import Family
+from uptrain.convert.layer_stream import free_parameters
 from uptrain.errors import UsageError
 
 INPUTS = ("original", "converted")
@@ -198,6 +199,8 @@ class LayerRefiner:
         call = refine.call_with(kwargs)
         with torch.no_grad():  # targets: the ORIGINAL module's outputs on those inputs
             targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
+        if not converted:  # nothing runs the original attention again: free it (1 GiB at 70B widths, float32)
+            free_parameters(state.attention)
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
                                          lr=self.settings.lr, seed=self.settings.seed)
         if converted:
