@@ -171,7 +171,7 @@ def test_auxiliary_files_skip_weights_code_and_rewritten_files(mha8, tmp_path):
         (src / extra).write_text("x")
     names = [p.name for p in auxiliary_files(src)]
     assert names == ["LICENSE", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
-                     "tokenizer_config.json"]
+                     "tokenizer.model", "tokenizer_config.json"]
 
 
 def _plan_rows(stdout: str) -> list[str]:
