@@ -285,10 +285,13 @@ class LayerStream:
                            torch.zeros(0), 0)
         total: list[torch.Tensor] = []
 
-        def moments(_module, args):  # the same arithmetic as the whole-model hook: [x; 1], float64
+        def moments(_module, args):  # the whole-model hook's moments ([x; 1], float64), accumulated in place
             x = args[0].reshape(-1, args[0].shape[-1]).double()
             x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
-            total.append(x.T @ x if not total else total.pop() + x.T @ x)
+            if total:  # summed in place: no [D+1, D+1] temporaries (512 MiB each at width 8192)
+                total[0].addmm_(x.T, x)
+            else:
+                total.append(x.T @ x)
             state.tokens += len(x)
 
         def attention_inputs(_module, args, kwargs):
@@ -307,7 +310,7 @@ class LayerStream:
         finally:
             for h in handles:
                 h.remove()
-        state.sigma = (total[0] / state.tokens).cpu()
+        state.sigma = total[0].div_(state.tokens).cpu()
         self.position += 1
         self.current = state
         self._keep_only_what_is_used(state)
