@@ -132,7 +132,11 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
                               aligned=method == "fit", planes=planes)
         perm = group_permutation(sim, new_kv)
         settings.permutations[layer] = perm
-    wq, wk, wv, wo = wq[perm], wk[perm], wv[perm], wo[perm]
+    if perm != list(range(heads)):  # one at a time: at 70B widths each is a 512 MiB float64 copy
+        wq = wq[perm]
+        wk = wk[perm]
+        wv = wv[perm]
+        wo = wo[perm]
 
     g = heads // new_kv
     new_k, new_v = [], []
@@ -150,6 +154,7 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
         new_k.append(k1)
         new_v.append(v1)
     k_all, v_all = torch.stack(new_k), torch.stack(new_v)  # [new_kv, hd, D]
+    del wk, wv, new_k, new_v  # the MHA-view K/V are done with
 
     out: dict[str, torch.Tensor] = {}
     out["q.weight"] = wq[..., :d].reshape(heads * hd, d)
@@ -160,6 +165,9 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
         if f"{name}.bias" in t:
             out[f"{name}.bias"] = w[..., d].reshape(new_kv * hd)
     out["o.weight"] = wo.permute(1, 0, 2).reshape(o.shape[0], heads * hd)
+    del wq, wo
+    if qkv_layout is None:  # each output in its source's dtype now, not all float64 copies at once
+        out = {name: value.to(tensors[name].dtype) for name, value in out.items()}
     if "o.bias" in t:
         out["o.bias"] = t["o.bias"]
     if qkv_layout is not None:
