@@ -132,9 +132,18 @@ def test_layer_state_holds_the_attention_inputs(tmp_path, one_torch_thread):
     x = torch.cat(state.attention_inputs).double()
     x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
     torch.testing.assert_close(x.T @ x / len(x), sigma, rtol=1e-9, atol=1e-9)
-    with torch.no_grad():
-        out, _ = state.attention(state.attention_inputs[0][None], **state.attention_kwargs[0])
-    assert out.shape == (1, *state.attention_inputs[0].shape) and torch.isfinite(out).all()
+    # its recorded outputs (refinement's targets) are what the whole model's attention gives
+    from uptrain.convert.calibrate import calibration_sequences, read_calibration_texts
+    from uptrain.convert.refine import capture
+
+    sequences, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), AutoTokenizer.from_pretrained(folder),
+                                            600, 512)
+    whole = capture(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+                    [torch.tensor(x) for x in sequences], layers=[1])[1]
+    assert len(whole.outputs) == len(state.attention_outputs) == len(state.attention_inputs)
+    for mine, theirs, x, y in zip(state.attention_outputs, whole.outputs, state.attention_inputs, whole.inputs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     calibration.sigma("model.layers.2.self_attn.")
     assert state.layer.self_attn.q_proj.weight.is_meta and not state.attention_inputs  # layer 1 freed
 
@@ -142,18 +151,21 @@ def test_layer_state_holds_the_attention_inputs(tmp_path, one_torch_thread):
 
 @pytest.mark.parametrize("keep", ["nothing", "attention", "layer"])
 def test_the_layer_just_run_keeps_only_what_the_conversion_uses(keep, one_torch_thread):
-    """After sigma(layer): calibration alone frees the whole layer (the fit reads the checkpoint),
-    refinement on the original inputs keeps only the attention module, on the converted inputs the
-    whole layer; the moments are the same in every case."""
+    """After sigma(layer): calibration alone frees the whole layer (the fit reads the checkpoint);
+    refinement on the original inputs keeps the attention's inputs and recorded outputs (its targets)
+    but none of the layer's weights (stories260K's attention is projections only: no norms); on the
+    converted inputs the whole layer stays (it runs again). The moments are the same in every case."""
     calibration = Calibration(TRAIN_TXT, 600, keep_attention_inputs=keep != "nothing",
                               keep_converted=keep == "layer").bind(EXAMPLE_MHA8)
     sigma = calibration.sigma("model.layers.1.self_attn.")
-    layer = calibration.stream.current.layer
-    attention = [p.is_meta for p in layer.self_attn.parameters()]
-    rest = [p.is_meta for n, p in layer.named_parameters() if not n.startswith("self_attn.")]
-    assert attention and rest
-    assert all(attention) == (keep == "nothing") and not any(attention) == (keep != "nothing")
-    assert all(rest) == (keep != "layer") and not any(rest) == (keep == "layer")
+    state = calibration.stream.current
+    metas = [p.is_meta for p in state.layer.parameters()]
+    assert all(metas) if keep != "layer" else not any(metas)
+    sequences = len(calibration.stream.activations)
+    assert len(state.attention_inputs) == (0 if keep == "nothing" else sequences)
+    assert len(state.attention_outputs) == (sequences if keep == "attention" else 0)
+    for x, y in zip(state.attention_inputs, state.attention_outputs):
+        assert y.shape == x.shape and y.dtype == torch.float32 and torch.isfinite(y).all()
     reference = Calibration(TRAIN_TXT, 600, keep_attention_inputs=True, keep_converted=True).bind(EXAMPLE_MHA8)
     torch.testing.assert_close(sigma, reference.sigma("model.layers.1.self_attn."), rtol=0, atol=0)
 

@@ -56,6 +56,7 @@ class LayerState:
     tokens: int  # rows of x averaged over
     attention_inputs: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, D] float32, on CPU
     attention_kwargs: list[dict[str, Any]] = field(default_factory=list)  # per sequence: attention(x, **kwargs)
+    attention_outputs: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, D] float32: its outputs
 
 
 def available_memory() -> int:
@@ -270,6 +271,7 @@ class LayerStream:
             self.current.layer.to("meta")
             self.current.attention_inputs.clear()
             self.current.attention_kwargs.clear()
+            self.current.attention_outputs.clear()
             self.current = None
             trim_heap()
 
@@ -299,9 +301,14 @@ class LayerStream:
             state.attention_inputs.append(hidden[0].float().cpu())
             state.attention_kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
 
+        def attention_outputs(_module, _args, _kwargs, output):
+            state.attention_outputs.append((output[0] if isinstance(output, tuple) else output)[0].float().cpu())
+
         handles = [layer.get_submodule(self.projections[i]).register_forward_pre_hook(moments)]
         if self.keep_attention_inputs:
             handles.append(state.attention.register_forward_pre_hook(attention_inputs, with_kwargs=True))
+            if self.converted is None:  # the targets of refinement on the original inputs
+                handles.append(state.attention.register_forward_hook(attention_outputs, with_kwargs=True))
         try:
             for s, x in enumerate(self.activations):
                 out = layer(x.to(self.device, torch.float32)[None], **self.kwargs[s][i])
@@ -317,19 +324,24 @@ class LayerStream:
         return state
 
     def _keep_only_what_is_used(self, state: LayerState) -> None:
-        """Free the parts of the layer just run that nothing asks for while it is converted: the fit
-        reads the checkpoint itself, refinement on the original inputs runs only the attention module,
-        and only `--refine-inputs converted` runs the whole layer again. At 70B widths the MLP alone
-        is 2.6 GiB in float32, held through the layer's fit and refinement otherwise."""
+        """Free the parts of the layer just run that nothing uses while it is converted: the fit reads
+        the checkpoint itself; refinement on the original inputs needs the attention's recorded inputs
+        and outputs (its targets) and of the module only its norms (which a student may copy);
+        only `--refine-inputs converted` runs the layer again. At 70B widths the MLP alone is 2.6 GiB in
+        float32 and the attention's matrices 1 GiB, otherwise held through the layer's fit and refinement."""
         if self.converted is None:
             free_parameters(state.layer, keep=state.attention if self.keep_attention_inputs else None)
+            free_parameters(state.attention, linear_only=True)
 
 
-def free_parameters(module: nn.Module, keep: nn.Module | None = None) -> None:
-    """Move `module`'s parameters (except those of its submodule `keep`) to the meta device, freeing
-    their memory; the module keeps its structure (shapes, dtypes) and can be read no more."""
+def free_parameters(module: nn.Module, keep: nn.Module | None = None, linear_only: bool = False) -> None:
+    """Move `module`'s parameters (except those of its submodule `keep`; with `linear_only`, only those
+    of its nn.Linear projections, not its norms) to the meta device, freeing their memory; the module
+    keeps its structure (shapes, dtypes) and runs no more."""
     kept = {id(p) for p in keep.parameters()} if keep is not None else set()
     for sub in module.modules():
+        if linear_only and not isinstance(sub, nn.Linear):
+            continue
         for key, param in list(sub._parameters.items()):
             if param is not None and id(param) not in kept and not param.is_meta:
                 sub._parameters[key] = nn.Parameter(param.to("meta"), requires_grad=False)

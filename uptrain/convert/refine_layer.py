@@ -36,7 +36,6 @@ from torch import Tensor, nn
 
 from uptrain.convert import refine
 from uptrain.convert.architectures import Family
-from uptrain.convert.layer_stream import free_parameters
 from uptrain.errors import UsageError
 
 INPUTS = ("original", "converted")
@@ -188,7 +187,7 @@ class LayerRefiner:
         if len(state.attention_inputs) < 2:
             raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
                              f"{len(state.attention_inputs)}; raise --calib-tokens or use more documents")
-        device = next(state.attention.parameters()).device
+        device = self.calibration.stream.device  # the original's matrices are freed (meta) unless converted
         student = _student(state, self.config, self.family, start, device)
         stream = self.calibration.stream
         converted = self.settings.inputs == "converted"
@@ -197,10 +196,11 @@ class LayerRefiner:
         else:
             inputs, kwargs = [x.to(device) for x in state.attention_inputs], state.attention_kwargs
         call = refine.call_with(kwargs)
-        with torch.no_grad():  # targets: the ORIGINAL module's outputs on those inputs
-            targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
-        if not converted:  # nothing runs the original attention again: free it (1 GiB at 70B widths, float32)
-            free_parameters(state.attention)
+        if converted:  # targets: the ORIGINAL module's outputs on those inputs
+            with torch.no_grad():
+                targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
+        else:  # the same, recorded as the calibration ran it (its matrices are freed since)
+            targets = [y.to(device) for y in state.attention_outputs]
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
                                          lr=self.settings.lr, seed=self.settings.seed)
         if converted:
