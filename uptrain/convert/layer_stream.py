@@ -43,9 +43,10 @@ class LayerState:
     """Decoder layer `index` after the calibration sequences ran through it.
 
     Valid until the stream advances: then `layer` goes back to meta and the lists are emptied. Right
-    after the run only what the conversion uses stays materialised: the attention module where the
-    attention inputs are kept (refinement), the whole layer where the converted activations are kept
-    too (`--refine-inputs converted`), none of it otherwise (the fit reads the checkpoint).
+    after the run only what the conversion uses stays: where the attention inputs are kept (refinement
+    on the original inputs) those, the attention's outputs and its norms, not its projections; the whole
+    layer where the converted activations are kept too (`--refine-inputs converted`); none of the layer's
+    weights otherwise (the fit reads the checkpoint).
     """
 
     index: int
