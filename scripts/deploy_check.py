@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from uptrain.errors import UsageError  # noqa: E402
 from uptrain.measure import gguf  # noqa: E402
+from uptrain.threads import add_threads_arg, start_threads  # noqa: E402
 
 
 def logit_agreement(a, b) -> dict:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama.cpp's KV cache type (f16: its default; f32 for an exact comparison)")
     parser.add_argument("--n-ctx", type=int, default=512, help="context (tokens), capped at the model's limit")
     parser.add_argument("--text", type=Path, default=REPO / "examples" / "data" / "tinystories-valid-sample.txt")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: uptrain.threads' choice)")
+    add_threads_arg(parser, "transformers and llama.cpp")
     parser.add_argument("--keep-gguf", type=Path, help="write the GGUF files here instead of a temporary folder")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--md", type=Path)
@@ -153,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.models:
             if not (m / "config.json").is_file():
                 raise UsageError(f"{m} is not a model folder (no config.json)")
-        from uptrain.threads import start_threads
-
         threads = start_threads(args.threads).threads
         text = args.text.read_text(encoding="utf-8")
         with tempfile.TemporaryDirectory(prefix="deploy-check-") as tmp:

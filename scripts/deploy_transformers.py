@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from uptrain.cli import format_table, write_json  # noqa: E402
+from uptrain.convert.hfconfig import model_shape  # noqa: E402
 from uptrain.convert.passthrough import read_header  # noqa: E402
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
 
@@ -103,11 +104,11 @@ def static_cache_check(model, ids: torch.Tensor, new_tokens: int, reference: tup
     # back); what matters here is the head axis: K/V heads, and every layer alike
     written = ids.shape[1] + new_tokens - 1
     shape_ok = len(shapes) == 1 and shapes[0][:2] == (1, cfg.num_key_value_heads) \
-        and shapes[0][3] == _head_dim(cfg) and shapes[0][2] >= written
+        and shapes[0][3] == model_shape(cfg).head_dim and shapes[0][2] >= written
     kv_bytes = sum(t.numel() * t.element_size() for layer in out.cache.layers for t in (layer.keys, layer.values))
     return {"cache_class": type(out.cache).__name__, "tokens_equal": torch.equal(tokens, reference[0]),
             "max_abs_logit_diff": max_diff(logits, reference[1]), "kv_shapes": [list(s) for s in shapes],
-            "expected_kv_shape": [1, cfg.num_key_value_heads, f">= {written}", _head_dim(cfg)], "kv_bytes": kv_bytes,
+            "expected_kv_shape": [1, cfg.num_key_value_heads, f">= {written}", model_shape(cfg).head_dim], "kv_bytes": kv_bytes,
             "shape_ok": shape_ok}
 
 
@@ -156,11 +157,7 @@ def export_check(model, ids: torch.Tensor, new_tokens: int, max_cache_len: int, 
             "decode_max_abs_diff": max_diff(torch.stack(steps), reference[1]),
             "tokens_equal": tokens == reference[0][0, ids.shape[1]:].tolist(),
             "kv_buffer_shapes": [list(s) for s in shapes], "shape_ok": shapes == [(1, model.config.num_key_value_heads,
-                                                                               max_cache_len, _head_dim(model.config))]}
-
-
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                                                                               max_cache_len, model_shape(model.config).head_dim)]}
 
 
 # ---------------------------------------------------------------- ONNX (onnxruntime)
@@ -190,7 +187,7 @@ def onnx_check(model, ids: torch.Tensor, new_tokens: int, reference: tuple, pref
 
     cfg = model.config
     wrapped = WithPast(model).eval()
-    empty = torch.zeros(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 0, _head_dim(cfg))
+    empty = torch.zeros(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 0, model_shape(cfg).head_dim)
     split = max(1, ids.shape[1] // 2)  # a non-empty past in the example, so export does not fix it at 0
     with torch.no_grad():
         _, keys, values = wrapped(ids[:, :split], empty, empty)
@@ -216,7 +213,7 @@ def onnx_check(model, ids: torch.Tensor, new_tokens: int, reference: tuple, pref
             "decode_max_abs_diff": max_diff(torch.stack(steps), reference[1]),
             "tokens_equal": tokens == reference[0][0, ids.shape[1]:].tolist(),
             "past_keys_input_shape": [str(d) for d in key_input],
-            "shape_ok": key_input[2] == cfg.num_key_value_heads and key_input[4] == _head_dim(cfg),
+            "shape_ok": key_input[2] == cfg.num_key_value_heads and key_input[4] == model_shape(cfg).head_dim,
             "file_bytes": path.stat().st_size}
 
 

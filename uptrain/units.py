@@ -34,6 +34,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-    """KV-cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
+def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
+    """KV-cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x bytes (an int for
+    whole-byte dtypes; bytes_per_element may be fractional, as llama.cpp's q8_0 cache: 34 bytes per 32)."""
     return 2 * layers * kv_heads * head_dim * bytes_per_element

@@ -27,6 +27,7 @@ from pathlib import Path
 from uptrain.errors import UsageError
 from uptrain.measure import gguf
 from uptrain.threads import CpuMonitor, applied, busy_note, machine_cpus
+from uptrain.units import kv_cache_bytes_per_token
 
 TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}  # bytes per element of a KV cache type
 
@@ -70,7 +71,7 @@ class LlamaBench:
 
 def kv_formula(layers: int, kv_heads: int, head_dim: int, kv_type: str, cells: int) -> int:
     """Bytes of a K and a V cache of `cells` tokens: 2 x layers x kv_heads x head_dim x bytes x cells."""
-    return round(2 * layers * kv_heads * head_dim * TYPE_BYTES.get(kv_type, 2) * cells)
+    return round(kv_cache_bytes_per_token(layers, kv_heads, head_dim, TYPE_BYTES.get(kv_type, 2)) * cells)
 
 
 def random_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
