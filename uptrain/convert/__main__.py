@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from uptrain.cli import ArgParser, positive_int, prog_name
-from uptrain.convert.choices import GROUPINGS, METHODS
+from uptrain.convert.choices import GROUPINGS, METHODS, REFINE_INPUTS
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
 from uptrain.convert.output_dir import atomic_output_dir, check_output_path
 from uptrain.convert.shards import ShardWriter
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most Adam steps per layer (default 1200; a held-out slice of --calib stops earlier)")
     p.add_argument("--refine-lr", type=float, default=1e-2,
                    help="Adam learning rate relative to each weight's RMS (default 1e-2)")
-    p.add_argument("--refine-inputs", choices=("original", "converted"), default="original",
+    p.add_argument("--refine-inputs", choices=REFINE_INPUTS, default="original",
                    help="each layer learns on the original model's activations (default; measured as good, "
                         "results/refine.md) or on the converted model's own (one more activation copy)")
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
@@ -81,7 +81,6 @@ def _copy_while_planning(args: argparse.Namespace) -> list[StoredRange] | None:
     """The tensors to copy while planning, when the headers alone can tell (see the module doc)."""
     folder = Path(args.checkpoint).expanduser()
     if (args.dry_run or args.method == "fit" or args.grouping != "contiguous" or args.dtype or args.calib
-            or args.refine
             or not folder.is_dir() or not (folder / "config.json").is_file()):
         return None
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from uptrain.convert.layer_stream import (PROJECTIONS, LayerState, LayerStream, StreamUnsupported, activation_dtype,
-                                          available_memory)
+                                          add_moments, available_memory)
 from uptrain.convert.source import open_checkpoint, read_config
 from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
@@ -77,15 +77,12 @@ def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> 
 
     The fallback where a model cannot be streamed layer by layer. Returns {prefix: [D+1, D+1] float64}.
     """
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, list[torch.Tensor]] = {}
     counts: dict[str, int] = {}
 
     def hook(prefix: str):
         def pre(_module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
-            sums[prefix] = sums.get(prefix, 0) + (x.T @ x).cpu()
-            counts[prefix] = counts.get(prefix, 0) + len(x)
+            counts[prefix] = counts.get(prefix, 0) + add_moments(sums.setdefault(prefix, []), args[0])
         return pre
     handles = [module.register_forward_pre_hook(hook(name[: -len(leaf)]))
                for name, module in model.named_modules()
@@ -98,7 +95,7 @@ def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> 
     finally:
         for h in handles:
             h.remove()
-    return {k: s / counts[k] for k, s in sums.items()}
+    return {k: (s[0] / counts[k]).cpu() for k, s in sums.items()}
 
 
 @dataclass

@@ -12,4 +12,6 @@ Method = Literal["mean", "first", "random", "fit"]
 METHODS: tuple[Method, ...] = ("mean", "first", "random", "fit")  # fit: see convert/fit.py, layerwise.py
 Grouping = Literal["contiguous", "similar"]
 GROUPINGS: tuple[Grouping, ...] = ("contiguous", "similar")
+RefineInputs = Literal["original", "converted"]
+REFINE_INPUTS: tuple[RefineInputs, ...] = ("original", "converted")  # --refine-inputs: see convert/refine.py
 QKVLayout = Literal["blocks", "grouped"]  # fused q/k/v rows: see heads.split_qkv

@@ -53,12 +53,6 @@ def _symmetric(similarity: torch.Tensor) -> torch.Tensor:
     return s.fill_diagonal_(0)
 
 
-def group_objective(similarity: torch.Tensor, parts: list[list[int]]) -> float:
-    """Total within-group similarity: the sum of (S[a, b] + S[b, a]) / 2 over pairs a < b sharing a group."""
-    s = _symmetric(similarity)
-    return sum(s[p][:, p].sum().item() / 2 for p in map(torch.tensor, parts))
-
-
 def greedy_groups(similarity: torch.Tensor, groups: int) -> list[list[int]]:
     """The search's start: seed each group with the unassigned head most alike to the other
     unassigned heads, then add the head most alike to the group so far (ties: the lowest head).
@@ -92,7 +86,8 @@ def equal_groups(similarity: torch.Tensor, groups: int) -> list[list[int]]:
     """Split heads into `groups` equal groups with a large total within-group similarity.
 
     similarity: [H, H] (made symmetric: (S + Sᵀ)/2). Starts from `greedy_groups`, then exchanges
-    two heads of different groups while that raises `group_objective`, always the exchange that
+    two heads of different groups while that raises the objective (the sum of (S[a, b] + S[b, a]) / 2
+    over pairs a < b sharing a group), always the exchange that
     raises it most (all H² gains computed at once from the current groups, so each step sees the
     groups as they are now). Ends at a partition no single exchange improves, never below the
     greedy start (or after 100·H exchanges, which random 64-head matrices never come near).

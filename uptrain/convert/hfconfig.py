@@ -47,6 +47,12 @@ def attention_dims(cfg: PretrainedConfig, family: Family | None) -> AttentionDim
                          layers=int(cfg.num_hidden_layers))
 
 
+
+def source_family(raw: dict[str, Any]) -> Family:
+    """The registry entry for a raw config.json, read with transformers' class defaults (the
+    registry's `when` switches may be defaults); UsageError (one line) for types we cannot convert."""
+    return family_for(load_hf_config(raw).to_dict() | raw)
+
 def model_shape(config: PretrainedConfig | dict[str, Any]) -> AttentionDims:
     """The one reader of a model's attention shape for convert, train and measure.
 

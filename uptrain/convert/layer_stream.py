@@ -288,14 +288,8 @@ class LayerStream:
                            torch.zeros(0), 0)
         total: list[torch.Tensor] = []
 
-        def moments(_module, args):  # the whole-model hook's moments ([x; 1], float64), accumulated in place
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
-            if total:  # summed in place: no [D+1, D+1] temporaries (512 MiB each at width 8192)
-                total[0].addmm_(x.T, x)
-            else:
-                total.append(x.T @ x)
-            state.tokens += len(x)
+        def moments(_module, args):
+            state.tokens += add_moments(total, args[0])
 
         def attention_inputs(_module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
@@ -333,6 +327,19 @@ class LayerStream:
         if self.converted is None:
             free_parameters(state.layer, keep=state.attention if self.keep_attention_inputs else None)
             free_parameters(state.attention, linear_only=True)
+            trim_heap()
+
+
+def add_moments(total: list[torch.Tensor], x: torch.Tensor) -> int:
+    """Add x̃ᵀx̃ (float64, x̃ = [x; 1] per row) of attention inputs x [..., D] to total[0], in place
+    (no [D+1, D+1] temporaries: 512 MiB each at width 8192), or start it; returns the rows added."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
+    if total:
+        total[0].addmm_(x.T, x)
+    else:
+        total.append(x.T @ x)
+    return len(x)
 
 
 def free_parameters(module: nn.Module, keep: nn.Module | None = None, linear_only: bool = False) -> None:
@@ -346,4 +353,3 @@ def free_parameters(module: nn.Module, keep: nn.Module | None = None, linear_onl
         for key, param in list(sub._parameters.items()):
             if param is not None and id(param) not in kept and not param.is_meta:
                 sub._parameters[key] = nn.Parameter(param.to("meta"), requires_grad=False)
-    trim_heap()

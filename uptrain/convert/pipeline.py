@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from uptrain.convert.architectures import family_for
 from uptrain.convert.calibrate import Calibration
 from uptrain.convert.layerwise import check_layerwise, describe_layerwise, layerwise_settings
 from uptrain.convert.refine_layer import LayerRefiner, RefineSettings, check_refine, estimate
@@ -29,7 +28,7 @@ from uptrain.convert.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
 from uptrain.errors import UsageError
-from uptrain.convert.hfconfig import attention_dims, load_hf_config, target_config
+from uptrain.convert.hfconfig import attention_dims, load_hf_config, source_family, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
 from uptrain.convert.heads import divisors
@@ -66,7 +65,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         folder = resolve_source(checkpoint, revision, weights=not remote)
     raw = read_config(folder)
     # The model type first: a type we cannot convert is refused before we ask for its weights.
-    family = family_for(load_hf_config(raw).to_dict() | raw)
+    family = source_family(raw)
     header_note = None
     if remote and not has_weights(folder):
         source, header_bytes = open_hub_headers(checkpoint, revision, folder, raw)

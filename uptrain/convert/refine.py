@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from uptrain.convert.choices import REFINE_INPUTS
+
 # the call that runs an attention module on calibration sequence i: (module, x [T, D], i) -> [T, D]
 AttentionCall = Callable[[nn.Module, Tensor, int], Tensor]
 
@@ -210,7 +212,7 @@ def refine_model(original: nn.Module, converted: nn.Module, sequences: Sequence[
     on the converted model's own inputs (with the layers before it already refined), targets the
     original module's outputs on those. options: `refine_attention`'s keywords.
     """
-    if inputs not in ("original", "converted"):
+    if inputs not in REFINE_INPUTS:
         raise ValueError(f"inputs must be 'original' or 'converted', not {inputs!r}")
     teacher = attention_modules(original)
     students = attention_modules(converted)

@@ -36,9 +36,9 @@ from torch import Tensor, nn
 
 from uptrain.convert import refine
 from uptrain.convert.architectures import Family
+from uptrain.convert.choices import REFINE_INPUTS
 from uptrain.errors import UsageError
 
-INPUTS = ("original", "converted")
 
 
 @dataclass
@@ -57,8 +57,8 @@ class RefineSettings:
             raise UsageError(f"--refine-steps must be at least 1, got {self.steps}")
         if not self.lr > 0:
             raise UsageError(f"--refine-lr must be positive, got {self.lr}")
-        if self.inputs not in INPUTS:
-            raise UsageError(f"--refine-inputs must be one of {', '.join(INPUTS)}, not {self.inputs!r}")
+        if self.inputs not in REFINE_INPUTS:
+            raise UsageError(f"--refine-inputs must be one of {', '.join(REFINE_INPUTS)}, not {self.inputs!r}")
 
 
 def check_refine(family: Family, config: dict[str, Any], method: str, calibrated: bool) -> None:
