@@ -30,8 +30,7 @@ import torch
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.convert.choices import GROUPINGS, METHODS
-from uptrain.convert.architectures import family_for
-from uptrain.convert.hfconfig import load_hf_config, model_shape
+from uptrain.convert.hfconfig import model_shape, source_family
 from uptrain.convert.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
@@ -82,7 +81,7 @@ def source_model(model: str) -> tuple[Path, int, int]:
     """
     folder = resolve_source(model)
     raw = read_config(folder)
-    family_for(load_hf_config(raw).to_dict() | raw)  # the registry's one-line refusal of other types
+    source_family(raw)  # the registry's one-line refusal of other types
     shape = model_shape(raw)
     if shape.kv_heads == 1:
         raise UsageError(f"{model} already has 1 K/V head (multi-query attention); nothing left to convert")

@@ -28,9 +28,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.hfconfig import model_shape
-from uptrain.convert.source import missing_folder_hint
-from uptrain.measure.bench_llama import add_llama_args, llama_tables, plot_llama_decode, run_llama_bench
-from uptrain.measure.eval import LOAD_DTYPES, load_model
+from uptrain.measure.bench_llama import add_llama_args, llama_tables, run_llama_bench
+from uptrain.measure.eval import LOAD_DTYPES, load_model, require_model_folder
 from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads
 from uptrain.units import kv_cache_bytes_per_token, parse_size
 
@@ -244,8 +243,7 @@ def bench_from_args(args: argparse.Namespace, paths: Sequence[str]) -> list[Benc
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
     for p in paths:
-        if not (Path(p) / "config.json").is_file():
-            raise UsageError(f"model folder not found or has no config.json: {p}{missing_folder_hint(p)}")
+        require_model_folder(p)
     announce_threads()
     return [bench_model(p, args.context, args.batch, args.new_tokens, args.dtype, args.warmup,
                         args.repeats, args.memory_budget, args.device) for p in paths]
@@ -308,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             write_json([asdict(r) for r in found], args.json)
         if args.plot:
+            from uptrain.measure.plots import plot_llama_decode
+
             print(f"wrote {plot_llama_decode(found, Path(args.plot) / 'llama-cpp-decode.png')}", file=sys.stderr)
         return 0
     results = bench_from_args(args, args.models)

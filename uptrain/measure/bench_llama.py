@@ -190,31 +190,3 @@ def llama_tables(results: Sequence[LlamaBench]) -> str:
           + (f": {d.note}" if d.note else ""), f"{d.kv_bytes_at_context / mib:.2f}", f"{d.rss_bytes / mib:.0f}")
          for r in results for d in r.decode])
     return kv + "\n\n" + dec
-
-
-def plot_llama_decode(results: Sequence[LlamaBench], out: Path) -> Path:
-    """Decode tokens/s against context, one line per model (median, min-max as error bars)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for r in results:
-        xs = [d.context for d in r.decode]
-        med = [d.median for d in r.decode]
-        err = [[m - min(d.tokens_per_s) for m, d in zip(med, r.decode)], [max(d.tokens_per_s) - m for m, d in zip(med, r.decode)]]
-        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"{Path(r.model).name} ({r.kv_heads} K/V heads)")
-    threads = results[0].threads
-    contexts = sorted({d.context for r in results for d in r.decode})
-    ax.set(xscale="log", xlabel="context (cached tokens)", ylabel="decode tokens/s",
-           title=f"llama.cpp greedy decode, {threads} thread{'s' * (threads > 1)}")
-    ax.set_xticks(contexts, [str(c) for c in contexts])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out

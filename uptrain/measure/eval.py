@@ -115,13 +115,18 @@ def evaluate(
 # ---------------------------------------------------------------- I/O
 
 
+def require_model_folder(path: str | Path) -> None:
+    """UsageError (one line, with a near-name hint) unless `path` is a folder holding config.json."""
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(f"model folder not found or has no config.json: {path}{missing_folder_hint(path)}")
+
+
 def load_model(path: str, dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True):
     """(model in eval mode on `device`, tokenizer or None) from a local folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"model folder not found or has no config.json: {path}{missing_folder_hint(path)}")
+    require_model_folder(path)
     if dtype not in LOAD_DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; use one of {sorted(LOAD_DTYPES)}")
     try:
@@ -198,8 +203,7 @@ def window_args(args: argparse.Namespace, model_paths: Sequence[str]) -> tuple[i
     from transformers import AutoConfig
 
     for p in model_paths:
-        if not (Path(p) / "config.json").is_file():
-            raise UsageError(f"model folder not found or has no config.json: {p}{missing_folder_hint(p)}")
+        require_model_folder(p)
     contexts = [getattr(AutoConfig.from_pretrained(p).get_text_config(), "max_position_embeddings", None)
                 for p in model_paths]
     max_length = args.max_length

@@ -59,6 +59,27 @@ def _save(fig: Figure, out: str | Path) -> Figure:
     return fig
 
 
+def plot_llama_decode(results: Sequence, out: Path) -> Path:
+    """`uptrain.bench --runtime llama.cpp`: decode tokens/s against context, one line per model (median,
+    min-max as error bars); results: bench_llama.LlamaBench."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in results:
+        xs = [d.context for d in r.decode]
+        med = [d.median for d in r.decode]
+        err = [[m - min(d.tokens_per_s) for m, d in zip(med, r.decode)], [max(d.tokens_per_s) - m for m, d in zip(med, r.decode)]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"{Path(r.model).name} ({r.kv_heads} K/V heads)")
+    threads = results[0].threads
+    contexts = sorted({d.context for r in results for d in r.decode})
+    ax.set(xscale="log", xlabel="context (cached tokens)", ylabel="decode tokens/s",
+           title=f"llama.cpp greedy decode, {threads} thread{'s' * (threads > 1)}")
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, out)
+    return out
+
+
 def _series(records: Sequence[Mapping], x: str, y: str) -> tuple[list[float], list[float]]:
     """(xs, ys) of the records that carry numbers for both keys."""
     pts = [(r[x], r[y]) for r in records

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 from accelerate import Accelerator
 
+from uptrain.convert.output_dir import fsync_path
 from uptrain.errors import UsageError
 from uptrain.train.preempt import signal_in_checkpoint_hook
 
@@ -156,11 +157,11 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
             json.dump(state, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():  # e.g. resumed from an earlier checkpoint: keep it whole until replaced
             os.rename(final, old)
         os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or nothing
-        _fsync_dir(folder)
+        fsync_path(folder)
         shutil.rmtree(old, ignore_errors=True)
         for stale in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(stale)
@@ -169,25 +170,13 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
 
 
 def _fsync_tree(root: Path) -> None:
-    """fsync every file and folder under `root` (what this process can see of it)."""
+    """fsync every file and folder under `root` (what this process can see of it: a file another
+    rank removes meanwhile is skipped)."""
     for here, _, files in os.walk(root):
         for name in files:
             with contextlib.suppress(FileNotFoundError):
-                fd = os.open(os.path.join(here, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        _fsync_dir(Path(here))
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a folder, so that the names (renames, new files) in it are on disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                fsync_path(Path(here) / name)
+        fsync_path(Path(here))
 
 
 def checkpoint_state(path: Path) -> dict:

@@ -94,10 +94,10 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
 
 
 def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator,
-                           teacher_dir: Path | None = None) -> tuple[DataSource, str]:
+                           teacher_dir: Path) -> tuple[DataSource, str]:
     """The run's teacher samples as a file data source (generated now unless already written),
     and a line for the plan: documents, tokens, generation speed. `teacher_dir`: the folder of
-    distill.teacher (a Hub id resolved to its cache), else distill.teacher itself."""
+    distill.teacher (a Hub id resolved to its cache)."""
     ts = config.data.train.teacher_samples
     folder = Path(config.run_dir) / FOLDER
     wanted = _wanted(config)
@@ -107,7 +107,7 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
         if meta is None or meta.get("config") != wanted:
             reused = False
             dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-            teacher = AutoModelForCausalLM.from_pretrained(teacher_dir or config.distill.teacher, dtype=dtype).to(accelerator.device)
+            teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).to(accelerator.device)
             teacher.eval()
             t0 = time.time()
             texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device)
