@@ -65,19 +65,24 @@ def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, metho
         if family.kv_between_queries or key_norm in ("per_head", "whole"):
             raise UsageError(f"--grouping similar is not supported for {model_type!r} (key norms or a fused "
                              f"grouped layout tie heads to their place); use --grouping contiguous")
-    if method != "fit":
-        return
+    why = fit_refusal(family, config, head_dim) if method == "fit" else None
+    if why:
+        raise UsageError(f"--method {why}; use --method mean")
+
+
+def fit_refusal(family: Family, config: dict[str, Any], head_dim: int) -> str | None:
+    """Why the closed-form fit cannot convert this config exactly ("fit cannot convert 'phi' exactly:
+    ..."), or None where it can."""
     why = ""
     if family.kv_between_queries:
         why = "its fused query_key_value layout interleaves K/V heads with query heads"
-    elif key_norm is not None:
+    elif family.key_norm_in(config) is not None:
         why = "it normalises keys after the projection, which would undo the fitted per-head key scales"
     elif _partial_rotary(config, head_dim):
         why = "RoPE covers only part of each head (partial rotary), and the fit treats whole heads as rotary planes"
     elif config.get("clip_qkv"):
         why = "clip_qkv clamps q/k/v outputs, which the fitted scales would change"
-    if why:
-        raise UsageError(f"--method fit cannot convert {model_type!r} exactly: {why}; use --method mean")
+    return f"fit cannot convert {config.get('model_type', '')!r} exactly: {why}" if why else None
 
 
 def _per_head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from uptrain.convert.calibrate import Calibration
-from uptrain.convert.layerwise import check_layerwise, describe_layerwise, layerwise_settings
+from uptrain.convert.layerwise import describe_layerwise, fit_refusal, layerwise_settings
 from uptrain.convert.refine_layer import LayerRefiner, RefineSettings, check_refine, estimate
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
@@ -98,13 +98,9 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         check_refine(family, full_config, method, calibration is not None)
         calibration.keep_attention_inputs = True
         calibration.keep_converted = refine.inputs == "converted"
-        if method == "fit":
-            try:
-                check_layerwise(family, full_config, dims.head_dim, "fit", grouping)
-            except UsageError as why:
-                start_method = "mean"
-                start_note = (f"refine starts from mean pooling: {str(why).removeprefix('--method ')}"
-                              .removesuffix("; use --method mean"))
+        why = fit_refusal(family, full_config, dims.head_dim) if method == "fit" else None
+        if why:  # refine runs the family's own attention, so it can start from mean where the fit cannot
+            start_method, start_note = "mean", f"refine starts from mean pooling: {why}"
     layerwise = layerwise_settings(family, full_config, dims.heads, dims.kv_heads,
                                    dims.head_dim, kv_heads, start_method, grouping,
                                    calibration and calibration.bind(source.path), refine=refine is not None)
