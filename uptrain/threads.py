@@ -24,7 +24,12 @@ class ThreadChoice:
     """How many torch CPU threads a command runs and why (`line` is printed once)."""
 
     threads: int
-    line: str
+    why: str  # "as asked", "OMP_NUM_THREADS", or the load it was chosen from
+    asked: bool = False  # given by --threads / the config (no "--threads N to choose" hint then)
+
+    @property
+    def line(self) -> str:
+        return f"CPU threads: {self.threads} ({self.why}{'' if self.asked else '; --threads N to choose'})"
 
 
 def machine_cpus() -> int:
@@ -50,9 +55,9 @@ def choose_threads(cpus: int, load: float, requested: int | None, max_threads: i
     """
     cap = max(1, min(cpus, max_threads or cpus))
     if requested is not None:
-        return ThreadChoice(requested, f"CPU threads: {requested} (as asked)")
+        return ThreadChoice(requested, "as asked", asked=True)
     if env is not None and env.strip().isdigit() and int(env) >= 1:
-        return ThreadChoice(int(env), f"CPU threads: {int(env)} (OMP_NUM_THREADS; --threads N to choose)")
+        return ThreadChoice(int(env), "OMP_NUM_THREADS")
     free = int((cpus - load) / max(1, processes) + 0.5)  # CPUs the load leaves free, per process
     threads = max(1, min(cap, free))
     why = (f"load average {load:.1f} on {cpus} CPUs" + (f", {processes} processes" if processes > 1 else ""))
@@ -60,7 +65,7 @@ def choose_threads(cpus: int, load: float, requested: int | None, max_threads: i
         why += f": all {cap} cores" if processes == 1 else f": {cap} per process"
     else:
         why += f", so {threads} of {cap} cores: other jobs keep the rest busy"
-    return ThreadChoice(threads, f"CPU threads: {threads} ({why}; --threads N to choose)")
+    return ThreadChoice(threads, why)
 
 
 _applied: ThreadChoice | None = None

@@ -153,8 +153,7 @@ def cpu_threads_line(threads: int | None) -> str:
     choice = applied_threads()
     if choice is None or choice.threads != torch.get_num_threads():
         return f"CPU threads per process: {torch.get_num_threads()}"
-    how = choice.line.removeprefix(f"CPU threads: {choice.threads} ")
-    how = how.replace("--threads N to choose", "config: threads") if threads is None else "(config: threads)"
+    how = f"({choice.why}; config: threads)" if threads is None else "(config: threads)"
     return f"CPU threads per process: {choice.threads} {how}"
 
 
