@@ -152,7 +152,7 @@ def test_val_fraction_holds_out_whole_documents(tokenizer, tmp_path):
     config = load_config(DEMO, tiny_overrides(tmp_path / "run", steps=20, **{
         "model": built_gqa4(), "data.train.files": f"[{path}]", "data.val": "null", "data.val_fraction": 0.2,
         "data.seq_len": 32, "data.repeat_data": "true"}))
-    train, val, n_train = build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))
+    train, val, n_train, _ = build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))
     assert len(train) >= n_train
     val_blocks = [list(b) for b in val["input_ids"]]
     held_out = set().union(*(_markers(tokenizer, b) for b in val_blocks))

@@ -116,3 +116,32 @@ def check_hub_reachable(dataset: str, timeout_s: float = 10.0) -> None:
             f"cannot reach the Hugging Face Hub to load dataset {dataset!r} ({str(err).splitlines()[0]}); "
             "use local files (data.train.files / data.val.files), or HF_HUB_OFFLINE=1 to read a cached copy"
         ) from None
+
+
+_WHOLE_HASH_BYTES = 64 << 20  # a file up to this size is hashed whole
+_SAMPLES, _SAMPLE_BYTES = 64, 1 << 20  # a larger one: its size and 64 pieces of 1 MiB at fixed strides
+
+
+def files_fingerprint(paths: list[str]) -> str:
+    """sha256 of the content of `paths` (in order): what a run's data was, whatever its mtime.
+
+    Content, not modification times: a data set copied to a node's local disk at every (re)start
+    of a job is the same data. Files up to 64 MiB are hashed whole; a larger one by its size and
+    64 pieces of 1 MiB spread over it (an edit that keeps the size and misses every piece is not
+    seen; an append or a truncation always is). A 100 GB corpus costs 64 MiB of reads."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in paths:
+        path = Path(name)
+        size = path.stat().st_size
+        h.update(f"{path.name}|{size}|".encode())
+        with open(path, "rb") as f:
+            if size <= _WHOLE_HASH_BYTES:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+                continue
+            for i in range(_SAMPLES):
+                f.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()

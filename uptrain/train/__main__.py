@@ -4,13 +4,15 @@
     accelerate launch -m uptrain.train CONFIG.yaml [key=value ...]
 
 See uptrain/train/config.py for every config field. Exit codes: 0 done, 1 diverged, 2 bad input,
-75 stopped by SIGTERM/SIGUSR1/Ctrl-C with a checkpoint (the last line says how to continue), 130
+75 stopped by SIGTERM/SIGUSR1/Ctrl-C with a checkpoint, or during set-up before the first step (the last
+line says how to continue; run_dir/preempted.json says it too, for launch scripts that requeue), 130
 stopped at once by a second Ctrl-C (the last complete checkpoint is kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import sys
@@ -20,6 +22,8 @@ from pathlib import Path
 from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
 from uptrain.train.config import TrainConfig, load_config
+
+PREEMPTED_FILE = "preempted.json"  # see write_preempted_mark
 
 
 @exit_on_usage_error
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, args.overrides)
     resume = resume_command(args.config, args.overrides)
     # after --help: torch & co. take seconds
-    from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted
+    from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StoppedInSetup
     from uptrain.train.run_state import complete_checkpoints
 
     try:
@@ -48,7 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except Preempted as stop:
-        _say(f"{stop}: checkpoint {stop.checkpoint} kept; continue with: {resume}")
+        kept = f"checkpoint {stop.checkpoint} kept" if stop.checkpoint else "no checkpoint yet (resume starts over)"
+        _say(f"{stop}: {kept}; continue with: {resume}")
+        write_preempted_mark(Path(config.run_dir), {"signal": stop.signal_name, "step": stop.step,
+                                                    "checkpoint": str(stop.checkpoint) if stop.checkpoint else None})
+        return EXIT_PREEMPTED
+    except StoppedInSetup as stop:  # before the first step: nothing new to checkpoint
+        done = complete_checkpoints(Path(config.run_dir))
+        kept = f"last complete checkpoint {done[-1]} kept" if done else "no checkpoint yet"
+        _say(f"{stop}: {kept}; continue with: {resume}")
+        write_preempted_mark(Path(config.run_dir), {"signal": stop.signal_name, "phase": stop.phase,
+                                                    "checkpoint": str(done[-1]) if done else None})
         return EXIT_PREEMPTED
     except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): no new checkpoint
         done = complete_checkpoints(Path(config.run_dir))
@@ -64,6 +78,18 @@ def resume_command(config: str, overrides: list[str]) -> str:
     launched = "RANK" in os.environ  # by accelerate launch / torchrun, whatever the process count
     launcher = "accelerate launch [the same launch options] -m uptrain.train" if launched else "python -m uptrain.train"
     return f"{launcher} {shlex.join([config, *kept, 'resume=latest'])}"
+
+
+def write_preempted_mark(run_dir: Path, record: dict) -> None:
+    """run_dir/preempted.json (first process only): the run stopped on a signal and wants to be
+    continued (a launcher's own exit code hides the workers' 75: scripts/slurm/uptrain.sbatch reads
+    this file to requeue). Written atomically; a launch script removes it before each start."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)  # a stop during a fresh run's set-up comes before the folder
+    tmp = run_dir / f".{PREEMPTED_FILE}.tmp"
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, run_dir / PREEMPTED_FILE)
 
 
 def _say(line: str) -> None:

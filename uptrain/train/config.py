@@ -151,6 +151,9 @@ class TrainConfig:
     # [{trainable: kv, tokens: 1e6}]), then `trainable` for the rest of the budget
     shard: str | None = None  # fsdp2: the trainer fully_shards the model itself (one or more processes, also
     # CPU/gloo; mixed_precision bf16: bf16 compute, fp32 gradient reduction and master weights)
+    stop_grace_s: float | None = None  # seconds a scheduler leaves between its stop signal and the kill (Slurm's
+    # --signal lead time, Kubernetes' terminationGracePeriodSeconds); a preemption checkpoint that would not fit
+    # in what is left is not started. None: UPTRAIN_STOP_GRACE_S, else torchrun's shutdown timeout, else unknown
     threads: int | None = None  # torch CPU threads per process; None: chosen from the load (uptrain.threads)
     # 1 is often several times faster when other CPU-bound jobs share the machine.
     data: DataConfig = field(default_factory=DataConfig)
@@ -194,6 +197,7 @@ class TrainConfig:
              "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
             (self.log.every >= 1, "log.every must be at least 1"),
             (self.shard in (None, "fsdp2"), f"shard must be fsdp2 or null, got {self.shard!r}"),
+            (self.stop_grace_s is None or self.stop_grace_s > 0, "stop_grace_s must be > 0 seconds (or null)"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1 (or null: chosen from the load)"),
             (set(self.log.log_with) <= {"tensorboard", "wandb"},
              f"log.log_with takes tensorboard and/or wandb, got {self.log.log_with}"),

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,12 +40,13 @@ from uptrain.train.eta import EtaTracker, format_eta
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model
 from uptrain.train.run_state import (
-    RUN_FILE, check_run_dir, checkpoint_state, elastic_grad_accum, clear_run_dir, load_checkpoint, mark_finished,
-    save_checkpoint,
+    RUN_FILE, check_checkpoint_identity, check_run_dir, checkpoint_state, complete_checkpoints, elastic_grad_accum,
+    clear_run_dir, load_checkpoint, mark_finished, save_checkpoint,
 )
 from uptrain.train.runtime import check_deepspeed, check_shared_run_dir, deepspeed_facts, make_accelerator
 from uptrain.train import shard
-from uptrain.train.preempt import Preempted, StopRequest, signal_name
+from uptrain.train.identity import run_identity
+from uptrain.train.preempt import Preempted, StopRequest, signal_name, stop_grace
 from uptrain.train.setup import (
     ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
     final_model_dtype, plan_run, resolve_models,
@@ -75,6 +77,9 @@ class Run:
     folders: ModelFolders  # local folders of model, tokenizer, teacher (a Hub id resolved to its cache)
     save_dtype: torch.dtype  # of the final model/
     trainable_ranges: list = dataclasses.field(default_factory=list)  # (first, end step, trainable) per stage
+    identity: dict = dataclasses.field(default_factory=dict)  # uptrain.train.identity.run_identity, in every checkpoint
+    grace_s: float | None = None  # seconds between a stop signal and the kill (None: unknown)
+    checkpoint_s: float | None = None  # how long the last checkpoint took to write (a resumed run: its checkpoint's)
 
     def log(self, record: dict) -> None:
         """One metrics record to metrics.jsonl and to the trackers."""
@@ -90,14 +95,17 @@ class Run:
 
 def train(config: TrainConfig) -> dict:
     """Run the training described by `config`; return the final metrics."""
-    with StopRequest().installed() as stop:  # SIGTERM/SIGUSR1/Ctrl-C: checkpoint after the step, then stop
-        run = setup_run(config)
+    # SIGTERM/SIGUSR1/Ctrl-C: during set-up, StoppedInSetup at once; then a checkpoint after the step
+    with StopRequest().installed() as stop:
+        run = setup_run(config, stop)
         stop.connect(run.accelerator.process_index, run.accelerator.num_processes)
+        stop.enter("checkpoint load" if run.resume_from else "step-0 evaluation")
         start_step, batches = resume_state(run)
         if start_step == 0 and config.eval.at_start:
             first = run.validate()
             run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
             run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
+        stop.setup_done()
         try:
             last_record = train_steps(run, start_step, batches, stop)
         except Preempted:
@@ -106,8 +114,12 @@ def train(config: TrainConfig) -> dict:
         return finish_run(run, last_record)
 
 
-def setup_run(config: TrainConfig) -> Run:
-    """Check everything, then build model, teacher, optimizer and loader (nothing trained yet)."""
+def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
+    """Check everything, then build model, teacher, optimizer and loader (nothing trained yet).
+
+    `stop`: told which phase set-up is in (a stop signal meanwhile raises StoppedInSetup)."""
+    enter = stop.enter if stop is not None else (lambda phase: None)
+    enter("checks")
     run_dir = Path(config.run_dir)
     accelerator = make_accelerator(config, run_dir)
     world = accelerator.num_processes
@@ -121,9 +133,13 @@ def setup_run(config: TrainConfig) -> Run:
         shard.check_compile(accelerator.device.type)
     check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
     resume_from = check_run_dir(run_dir, to_dict(config), config.resume, config.overwrite)
-    consumed, elastic_line = 0, None
+    consumed, elastic_line, state = 0, None, {}
     if resume_from is not None:
         state = checkpoint_state(resume_from)
+        # The settings first (before any data is read); the data's fingerprint once it is known, below.
+        recorded_data = (state.get("identity") or {}).get("data_fingerprint")
+        check_checkpoint_identity(resume_from, state, run_identity(to_dict(config), accelerator.mixed_precision,
+                                                                   recorded_data))
         # Elastic resume: on another process count, grad_accum keeps the checkpoint's global batch.
         accum = elastic_grad_accum(resume_from, state, world, config.batch.micro_batch, config.batch.grad_accum)
         if accum != config.batch.grad_accum:
@@ -147,19 +163,28 @@ def setup_run(config: TrainConfig) -> Run:
     final_dtype, dtype_line = final_model_dtype(config, folders)
     data_config, samples_line = config, None
     if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
+        enter("teacher-samples generation")
         source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator, folders.teacher)
         data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
     set_seed(config.seed)
-    train_blocks, val_blocks, n_available = build_data(data_config, tokenizer, plan, accelerator, consumed)
+    enter("data tokenization")
+    train_blocks, val_blocks, n_available, fingerprint = build_data(data_config, tokenizer, plan, accelerator, consumed)
     check_validation_size(config, len(val_blocks))
+    identity = run_identity(config_dict, accelerator.mixed_precision, fingerprint)
+    if resume_from is not None:
+        check_checkpoint_identity(resume_from, state, identity)
+    grace_s, grace_source, grace_warning = stop_grace(config.stop_grace_s, os.environ)
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:
         if config.overwrite:
             clear_run_dir(run_dir, config.log.project)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_FILE).write_text(yaml.safe_dump(config_dict, sort_keys=False))
+        tmp = run_dir / f".{RUN_FILE}.tmp"  # whole or absent: a stop signal may come at any moment here
+        tmp.write_text(yaml.safe_dump(config_dict, sort_keys=False))
+        os.replace(tmp, run_dir / RUN_FILE)
 
     # --- model, optional teacher, optimizer, loader ---
+    enter("models loading")
     model, teacher = _load_models(config, folders, accelerator)
     if config.shard == "fsdp2":  # sharded by the trainer, before the optimizer sees the parameters
         model = shard.shard_model(model, accelerator, config.gradient_checkpointing, config.compile)
@@ -186,9 +211,13 @@ def setup_run(config: TrainConfig) -> Run:
     accelerator.print(trainable_line(config.trainable, n_trained, n_params))
     if ranges:
         accelerator.print(stages_line(ranges))
+    grace = "unknown" if grace_s is None else f"{grace_s:g} s"
+    accelerator.print(f"stop signals (SIGTERM, SIGUSR1, Ctrl-C): checkpoint after the step, exit 75; grace {grace} "
+                      f"({grace_source})" + (f"\n{grace_warning}" if grace_warning else ""))
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
-               model, teacher, optimizer, loader, metrics, folders, final_dtype, ranges)
+               model, teacher, optimizer, loader, metrics, folders, final_dtype, ranges, identity,
+               grace_s, state.get("write_s"))
 
 
 def _load_models(config: TrainConfig, folders: ModelFolders,
@@ -336,18 +365,49 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
             if saved is None:  # never checkpoint a bad step: the device-side health is read first
                 check_finite(health.read(), step, run.run_dir, updated=True, deepspeed=deepspeed)
             bar.close()
-            raise Preempted(signal_name(signum), done, plan.steps, saved or _save(run, done))
+            raise Preempted(signal_name(signum), done, plan.steps, saved or _stop_checkpoint(run, done, stop))
     bar.close()
     return record
 
 
 def _save(run: Run, done: int) -> Path:
-    """Checkpoint after `done` steps (every process): state, data position, process count."""
+    """Checkpoint after `done` steps (every process): state, data position, process count, the run's
+    identity; says once when the write took longer than the stop grace."""
     plan = run.plan
     state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
-             "processes": run.accelerator.num_processes}
-    return save_checkpoint(run.accelerator, run.run_dir, done, state, run.config.checkpoint.keep,
+             "processes": run.accelerator.num_processes, "identity": run.identity,
+             "run_dir": str(run.run_dir.resolve())}
+    started = time.monotonic()
+    path = save_checkpoint(run.accelerator, run.run_dir, done, state, run.config.checkpoint.keep,
                            _sharded_io(run, shard.save_sharded))
+    took, before = time.monotonic() - started, run.checkpoint_s
+    run.checkpoint_s = took
+    if run.grace_s is not None and took > run.grace_s and (before is None or before <= run.grace_s):
+        run.accelerator.print(
+            f"warning: checkpoint {done} took {took:.1f} s, more than the {run.grace_s:g} s stop grace: a preemption "
+            f"would stop at the last periodic checkpoint instead; give the scheduler (and TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+            f"stop_grace_s) at least {2 * took:.0f} s, or checkpoint.every fewer steps")
+    return path
+
+
+def _stop_checkpoint(run: Run, done: int, stop: StopRequest) -> Path | None:
+    """The checkpoint a stop signal asks for after step `done`, if it can be written in the grace left.
+
+    A write that the scheduler would kill half-way saves nothing and loses the clean exit 75 (the
+    requeue): when the last write took longer than what is left of the grace on any rank, nothing
+    is started and the last complete checkpoint is named instead (resume=latest continues from it)."""
+    left = stop.seconds_left(run.grace_s)
+    too_slow = left is not None and run.checkpoint_s is not None and run.checkpoint_s > left
+    if not stop.any_rank(too_slow):  # the same decision on every rank: the save is a collective
+        return _save(run, done)
+    done_before = complete_checkpoints(run.run_dir)
+    kept = done_before[-1] if done_before else None
+    need = "?" if run.checkpoint_s is None else f"{run.checkpoint_s:.1f}"
+    run.accelerator.print(
+        f"no checkpoint at step {done}: a write takes ~{need} s, {max(left or 0.0, 0.0):.1f} s are left of the "
+        f"{run.grace_s:g} s grace; " + (f"the last complete checkpoint {kept.name} is kept" if kept else
+                                        "no checkpoint yet: the resumed run starts over"))
+    return kept
 
 
 def _sharded_io(run: Run, io):

@@ -1,5 +1,18 @@
 """Preemption: a stop signal makes every process finish its step, checkpoint, and exit EXIT_PREEMPTED.
 
+Before the first step (set-up: model and teacher loads, tokenization, teacher-sample generation,
+the checkpoint's load) there is nothing to checkpoint: a stop signal then raises StoppedInSetup
+from the handler itself, so the process ends within moments wherever set-up is (a scheduler's
+grace is seconds to minutes; set-up can take hours). What set-up writes is written atomically
+(teacher samples chunk by chunk), so a restart continues it.
+
+The grace: a scheduler kills a job some time after its stop signal (Slurm's --signal lead time,
+Kubernetes' terminationGracePeriodSeconds, torchrun's shutdown timeout after it forwards the
+signal: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s). `stop_grace` says what this run knows of it;
+a preemption checkpoint that would not fit in what is left of it is not started (the last complete
+checkpoint is named instead), so the process still exits 75 and asks to be resumed rather than
+being killed half-way.
+
 SIGTERM (what SLURM, Kubernetes and spot instances send before killing a job), SIGUSR1 (SLURM's
 `--signal=USR1@SECONDS`) and a first Ctrl-C (SIGINT) only set a flag; the loop reads it once per
 step (`StopRequest.agreed`), after the optimizer step. In a multi-process run the signal may reach
@@ -15,7 +28,9 @@ counts as the same press: a terminal sends Ctrl-C to the launcher and to its wor
 Test hooks (environment; our own code sending itself real signals at a chosen point):
   UPTRAIN_TEST_SIGNAL_AT="STEP:RANK:SIGNAME"   rank RANK signals itself after step STEP
   UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S]"   the main process signals itself
-      while writing checkpoint STEP (after the state files, before the completion mark)
+      while writing checkpoint STEP (after the state files, before the completion mark), after
+      sleeping DELAY_S (a slow write); SIGNAME "none": only the sleep
+  UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME"   signal itself as set-up enters PHASE
 """
 
 from __future__ import annotations
@@ -42,11 +57,25 @@ class Preempted(Exception):
         self.signal_name, self.step, self.steps, self.checkpoint = signal_name, step, steps, checkpoint
 
 
+class StoppedInSetup(BaseException):
+    """A stop signal before the first step (nothing to checkpoint yet), raised by the handler.
+
+    A BaseException, like KeyboardInterrupt: library code that catches Exception (a loader trying a
+    fallback) must not swallow it."""
+
+    def __init__(self, signal_name: str, phase: str):
+        super().__init__(f"stopped by {signal_name} during set-up ({phase}), before the first step")
+        self.signal_name, self.phase = signal_name, phase
+
+
 class StopRequest:
     """The stop signals received by this process, and the run-wide decision once per step."""
 
     def __init__(self):
         self.signum = 0  # the first stop signal received here, 0: none
+        self.received_at = None  # time.monotonic() of that signal
+        self.phase = "starting"  # what set-up is doing (named when a signal stops it)
+        self._in_setup = True  # until setup_done(): a signal raises StoppedInSetup at once
         self._first_sigint = None
         self._group = None
         self._rank = 0
@@ -57,7 +86,33 @@ class StopRequest:
             if self._first_sigint is not None and now - self._first_sigint > SAME_PRESS_S:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             self._first_sigint = self._first_sigint or now
-        self.signum = self.signum or signum
+        if not self.signum:
+            self.signum, self.received_at = signum, time.monotonic()
+        if self._in_setup:
+            raise StoppedInSetup(signal_name(self.signum), self.phase)
+
+    def enter(self, phase: str) -> None:
+        """Set-up starts `phase` (a stop signal from here on names it)."""
+        self.phase = phase
+        _test_signal_in_setup(phase)
+
+    def setup_done(self) -> None:
+        """The first step starts: from now on a signal only sets the flag (checkpoint after the step)."""
+        self._in_setup = False
+
+    def seconds_left(self, grace_s: float | None) -> float | None:
+        """Seconds left of the grace since the first stop signal (None: no known deadline)."""
+        if grace_s is None or self.received_at is None:
+            return None
+        return grace_s - (time.monotonic() - self.received_at)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (a host all-reduce; every rank must call)."""
+        if self._group is None:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return bool(value.item())
 
     @contextlib.contextmanager
     def installed(self):
@@ -93,6 +148,33 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def stop_grace(configured: float | None, env) -> tuple[float | None, str, str | None]:
+    """(grace seconds or None, where it comes from, a warning line or None) for this process.
+
+    The config's stop_grace_s, else UPTRAIN_STOP_GRACE_S (scripts/slurm/uptrain.sbatch sets it to its
+    --signal lead time), else under torchrun / accelerate launch its shutdown timeout (the launcher
+    SIGKILLs the workers that long after forwarding a stop signal), else unknown. Under torchrun a
+    grace longer than the launcher's own timeout is cut short by it: the warning says what to set.
+    """
+    launched = "TORCHELASTIC_RUN_ID" in env  # set by torchrun for its workers
+    raw = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or env.get("PET_SHUTDOWN_TIMEOUT")
+    launcher_s = float(raw) if raw else 30.0
+    if configured is not None:
+        grace, source = float(configured), "stop_grace_s"
+    elif env.get("UPTRAIN_STOP_GRACE_S"):
+        grace, source = float(env["UPTRAIN_STOP_GRACE_S"]), "UPTRAIN_STOP_GRACE_S"
+    elif launched:
+        return launcher_s, ("torchrun's shutdown timeout" + ("" if raw else ", its default; raise it with "
+                            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")), None
+    else:
+        return None, "no deadline known (set stop_grace_s to the scheduler's grace)", None
+    if launched and launcher_s < grace:
+        return launcher_s, f"torchrun's shutdown timeout, below the {grace:g} s of {source}", (
+            f"warning: torchrun kills the workers {launcher_s:g} s after it forwards a stop signal, before the "
+            f"{grace:g} s grace of {source}: launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace:g}")
+    return grace, source, None
+
+
 def _parse(value: str) -> list[str]:
     return value.split(":")
 
@@ -106,6 +188,16 @@ def _test_signal_at(step: int, rank: int) -> None:
             os.kill(os.getpid(), getattr(signal, name))
 
 
+def _test_signal_in_setup(phase: str) -> None:
+    """Test hook: UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME" signals this process as set-up enters PHASE
+    (the phase's first word: models, data, teacher-samples, checkpoint)."""
+    hook = os.environ.get("UPTRAIN_TEST_SIGNAL_IN_SETUP")
+    if hook:
+        at, name = _parse(hook)
+        if phase.split()[0] == at:
+            os.kill(os.getpid(), getattr(signal, name))
+
+
 def signal_in_checkpoint_hook(step: int) -> None:
     """Test hook: UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S]" (main process, mid-write)."""
     hook = os.environ.get("UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT")
@@ -113,4 +205,5 @@ def signal_in_checkpoint_hook(step: int) -> None:
         at, name, *delay = _parse(hook)
         if int(at) == step:
             time.sleep(float(delay[0]) if delay else 0.0)
-            os.kill(os.getpid(), getattr(signal, name))
+            if name != "none":
+                os.kill(os.getpid(), getattr(signal, name))

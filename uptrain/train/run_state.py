@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import yaml
@@ -26,13 +27,11 @@ from accelerate import Accelerator
 
 from uptrain.convert.output_dir import fsync_path
 from uptrain.errors import UsageError
+from uptrain.train.identity import config_identity, describe_changes, identity_changes
 from uptrain.train.preempt import signal_in_checkpoint_hook
 
 STATE_FILE = "trainer_state.json"
 RUN_FILE = "run.yaml"
-# Config sections that decide the data order and the optimisation trajectory: a resumed run must
-# match them, or it would not continue the same run.
-_RUN_IDENTITY = ("model", "tokenizer", "seed", "data", "budget", "batch", "optim", "distill", "trainable", "trainable_stages")
 FINISHED_FILE = "finished.json"  # written last by a run that completed its budget
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE)
 
@@ -63,11 +62,12 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
         return None
     if run_file.is_file():
         stored = yaml.safe_load(run_file.read_text()) or {}
-        changed = [key for key in _RUN_IDENTITY if _identity(stored, key) != _identity(config_dict, key)]
+        recorded, now = config_identity(stored), config_identity(config_dict)
+        changed = identity_changes(recorded, now)
         if changed:
             raise UsageError(
-                f"run folder {run_dir} holds another run's state (differs in: {', '.join(changed)}); "
-                "use another run_dir or overwrite=true without resume"
+                f"run folder {run_dir} holds another run's state (differs in: {describe_changes(changed, recorded, now)}); "
+                "resume with the config it was started with, or use another run_dir (or overwrite=true without resume)"
             )
     finished = run_dir / FINISHED_FILE
     if finished.is_file():
@@ -84,16 +84,29 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    owner = path.resolve().parent.parent
+    if owner != run_dir.resolve():
+        # Its metrics, run.yaml and later checkpoints live in its own folder: continuing it elsewhere
+        # would leave a run without the records of its first steps (or mix two runs in one folder).
+        raise UsageError(
+            f"checkpoint {path} belongs to the run in {owner}, not to run_dir {run_dir}: continue that run with "
+            f"run_dir={owner} resume=latest (and its config), or start a new run without resume"
+        )
     return path
 
 
-def _identity(config_dict: dict, key: str):
-    """A config section as it identifies a run: grad_accum aside, which an elastic resume adapts
-    to the process count (the global batch is checked against the checkpoint instead)."""
-    value = config_dict.get(key)
-    if key == "batch" and isinstance(value, dict):
-        return {k: v for k, v in value.items() if k != "grad_accum"}
-    return value
+def check_checkpoint_identity(path: Path, state: dict, now: dict) -> None:
+    """UsageError naming what differs when checkpoint `path` (its trainer state `state`) was written
+    by a run of another identity than `now` (uptrain.train.identity.run_identity)."""
+    recorded = state.get("identity")
+    if not recorded:  # written before checkpoints recorded their run's identity: run.yaml was compared
+        return
+    changed = identity_changes(recorded, now)
+    if changed:
+        raise UsageError(
+            f"checkpoint {path} was written by a run with other settings: {describe_changes(changed, recorded, now)}; "
+            "resume with the settings it was written with, or start a new run (another run_dir, without resume)"
+        )
 
 
 def mark_finished(run_dir: Path, record: dict) -> None:
@@ -146,6 +159,7 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
             shutil.rmtree(stale, ignore_errors=True)  # left over from a crash while writing
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
+    started = time.monotonic()
     accelerator.save_state(str(tmp))
     if save_extra is not None:  # e.g. sharded weights and optimizer (shard=fsdp2), every rank
         save_extra(tmp)
@@ -153,6 +167,8 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, state: d
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         signal_in_checkpoint_hook(step)
+        # The write time is what a stop signal's grace must cover (loop.stop_checkpoint reads it).
+        state = {**state, "write_s": round(time.monotonic() - started, 3)}
         with open(tmp / STATE_FILE, "w") as f:  # completion mark, written after everything else
             json.dump(state, f, indent=2)
             f.flush()

@@ -20,7 +20,8 @@ from uptrain.convert.hfconfig import model_shape
 from uptrain.convert.source import open_checkpoint, resolve_source
 from uptrain.errors import UsageError
 from uptrain.data import DataSource, documents, split_documents
-from uptrain.data.blocks import first_blocks, require_blocks, token_blocks
+from uptrain.data.source import files_fingerprint
+from uptrain.data.blocks import first_blocks, require_blocks, token_blocks, tokenizer_fingerprint
 from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.train.config import OptimConfig, TrainConfig
 from uptrain.train.runtime import caches_filled_in_turn
@@ -184,8 +185,12 @@ def plan_run(config: TrainConfig, world: int) -> RunPlan:
 
 def build_data(
     config: TrainConfig, tokenizer, plan: RunPlan, accelerator: Accelerator, skip_blocks: int = 0
-) -> tuple[datasets.Dataset | StreamSchedule, datasets.Dataset, int | None]:
-    """(train blocks for the whole run, validation blocks, train blocks available or None).
+) -> tuple[datasets.Dataset | StreamSchedule, datasets.Dataset, int | None, str | None]:
+    """(train blocks for the whole run, validation blocks, train blocks available or None, the
+    training data's fingerprint or None for a stream).
+
+    The fingerprint is of the training files' content and the tokenizer's (None for a Hub dataset,
+    which the config names): a checkpoint records it, a resume compares it.
 
     The data path of `uptrain.data`, top to bottom: sources -> documents (validation: data.val,
     or a held-out share of the train documents) -> token blocks -> the run's schedule. A whole
@@ -214,11 +219,14 @@ def build_data(
         require_blocks(val, d.seq_len, _name(d.val))
 
     n_sequences = plan.steps * plan.sequences_per_step
+    fingerprint = None
+    if d.train.files:
+        fingerprint = f"{files_fingerprint(d.train.files)}|{tokenizer_fingerprint(tokenizer)}"
     if d.train.streaming:
         schedule = StreamSchedule(train, n_sequences, config.seed, d.repeat_data, d.shuffle_buffer, skip_blocks,
                                   name=f"the training stream {_name(d.train)}")
-        return schedule, val, None
-    return schedule_blocks(train, n_sequences, config.seed, d.repeat_data), val, len(train)
+        return schedule, val, None, fingerprint
+    return schedule_blocks(train, n_sequences, config.seed, d.repeat_data), val, len(train), fingerprint
 
 
 def _name(source: DataSource) -> str:

@@ -7,7 +7,9 @@ they are then packed and trained on like file data, with distillation from the s
 
 Written atomically (a temporary folder renamed into place, with meta.json saying what was
 generated), and reused as long as meta.json matches the config: a resumed run trains on exactly
-the samples the interrupted one did. Under several processes the main process generates and the
+the samples the interrupted one did. While they are generated, each batch is written as it is
+made (`run_dir/.partial-teacher_samples/chunks/`, seeded by its index): a run stopped during the
+generation continues it where it stopped, with the samples an uninterrupted generation makes. Under several processes the main process generates and the
 others wait for it (then all read the same file).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import shutil
 import time
@@ -33,8 +36,16 @@ META = "meta.json"
 
 
 def _wanted(config: TrainConfig) -> dict:
-    """What identifies the samples: the teacher and every generation setting."""
-    return {"teacher": str(config.distill.teacher), **dataclasses.asdict(config.data.train.teacher_samples)}
+    """What identifies the samples: the teacher, every generation setting, the seeding scheme."""
+    return {"teacher": str(config.distill.teacher), **dataclasses.asdict(config.data.train.teacher_samples),
+            "seeding": "per batch"}  # batches seeded by their index alone (samples of earlier versions differ)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _read_meta(folder: Path) -> dict | None:
@@ -55,38 +66,91 @@ def split_at_bos(tokens: list[int], bos: int) -> list[list[int]]:
     return documents
 
 
-def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
-                       device: torch.device) -> tuple[list[str], int]:
-    """Sample documents from `model` until `ts.tokens` new tokens; return (texts, new tokens)."""
+class ChunkStore:
+    """The generation's batches on disk as they are made: `folder`/chunk-NNNNNN.json, one per batch,
+    each written whole (temporary file, then rename). A batch depends only on its index (its own
+    seeds), so a restart reads the chunks already written and generates the rest: the samples equal
+    an uninterrupted generation's."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, index: int) -> Path:
+        return self.folder / f"chunk-{index:06d}.json"
+
+    def read(self, index: int) -> list[dict] | None:
+        """The rows of batch `index` ({"texts": [...], "new_tokens": n} each), None if not written."""
+        try:
+            return json.loads(self._path(index).read_text())["rows"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def write(self, index: int, rows: list[dict]) -> None:
+        tmp = self.folder / f".tmp-{self._path(index).name}"
+        tmp.write_text(json.dumps({"rows": rows}))
+        os.replace(tmp, self._path(index))
+
+    def count(self) -> int:
+        """How many batches from index 0 on are written (a restart continues after them)."""
+        n = 0
+        while self._path(n).is_file():
+            n += 1
+        return n
+
+
+def _generate_batch(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
+                    device: torch.device, index: int, prompts: list[str]) -> list[dict]:
+    """Batch `index`: ts.batch sampled rows, each {"texts": its documents, "new_tokens": n}.
+
+    Seeded by (ts.seed, index) alone, prompts drawn included: batch k is the same whether or not
+    the batches before it were generated in this process."""
     eos = tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    seed = ts.seed * 1_000_003 + index
+    if prompts:
+        pick = random.Random(seed)
+        rows = [tokenizer(pick.choice(prompts), add_special_tokens=True)["input_ids"] for _ in range(ts.batch)]
+    else:
+        rows = [[start]] * ts.batch
+    width = max(len(r) for r in rows)  # left padding: every row's last token is its own
+    ids = torch.tensor([[eos] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=ts.temperature,
+                             top_p=ts.top_p, top_k=0, max_new_tokens=ts.max_new_tokens, use_cache=True,
+                             pad_token_id=eos, eos_token_id=eos)
+    made = []
+    for prompt, row in zip(rows, out[:, width:].tolist()):
+        new = row[:row.index(eos) + 1] if eos in row else row  # up to and with the first EOS
+        # A BOS inside the sample starts a new document (llama2.c models such as stories260K
+        # separate documents by BOS and never emit EOS).
+        texts = [tokenizer.decode(segment, skip_special_tokens=True).strip()
+                 for segment in split_at_bos(prompt + new, start)]
+        made.append({"texts": [t for t in texts if t], "new_tokens": len(new)})
+    return made
+
+
+def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
+                       device: torch.device, chunks: ChunkStore | None = None) -> tuple[list[str], int]:
+    """Sample documents from `model` until `ts.tokens` new tokens; return (texts, new tokens).
+
+    With `chunks`, batches already written there are read instead of generated, and each new one
+    is written as soon as it is made (a stop signal loses at most the batch in progress)."""
     prompts = []
     if ts.prompts:
         prompts = [line.strip() for line in Path(ts.prompts).read_text().splitlines() if line.strip()]
-    pick = random.Random(ts.seed)
     texts, n_tokens, index = [], 0, 0
     while n_tokens < ts.tokens:
-        if prompts:
-            rows = [tokenizer(pick.choice(prompts), add_special_tokens=True)["input_ids"] for _ in range(ts.batch)]
-        else:
-            rows = [[start]] * ts.batch
-        width = max(len(r) for r in rows)  # left padding: every row's last token is its own
-        ids = torch.tensor([[eos] * (width - len(r)) + r for r in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        torch.manual_seed(ts.seed * 1_000_003 + index)  # each batch seeded: the same samples every time
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=ts.temperature,
-                                 top_p=ts.top_p, top_k=0, max_new_tokens=ts.max_new_tokens, use_cache=True,
-                                 pad_token_id=eos, eos_token_id=eos)
-        for prompt, row in zip(rows, out[:, width:].tolist()):
-            new = row[:row.index(eos) + 1] if eos in row else row  # up to and with the first EOS
-            n_tokens += len(new)
-            # A BOS inside the sample starts a new document (llama2.c models such as stories260K
-            # separate documents by BOS and never emit EOS).
-            for segment in split_at_bos(prompt + new, start):
-                text = tokenizer.decode(segment, skip_special_tokens=True).strip()
-                if text:
-                    texts.append(text)
+        rows = chunks.read(index) if chunks is not None else None
+        if rows is None:
+            rows = _generate_batch(model, tokenizer, ts, device, index, prompts)
+            if chunks is not None:
+                chunks.write(index, rows)
+        for row in rows:
+            texts += row["texts"]
+            n_tokens += row["new_tokens"]
             if n_tokens >= ts.tokens:
                 break
         index += 1
@@ -109,8 +173,15 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
             dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
             teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).to(accelerator.device)
             teacher.eval()
+            partial = folder.parent / f".partial-{FOLDER}"  # the chunks so far, of these settings only
+            if _read_json(partial / META) != wanted:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                (partial / META).write_text(json.dumps(wanted))
+            chunks = ChunkStore(partial / "chunks")
+            resumed_from = chunks.count()
             t0 = time.time()
-            texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device)
+            texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device, chunks)
             seconds = max(time.time() - t0, 1e-9)
             del teacher
             tmp = folder.parent / f".tmp-{FOLDER}"
@@ -121,10 +192,11 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
                     f.write(json.dumps({"text": text}) + "\n")
             meta = {"config": wanted, "documents": len(texts), "tokens": n_tokens, "seconds": seconds,
                     "samples_per_s": len(texts) / seconds, "tokens_per_s": n_tokens / seconds,
-                    "device": str(accelerator.device)}
+                    "device": str(accelerator.device), "batches_reused": resumed_from}
             (tmp / META).write_text(json.dumps(meta, indent=1))
             shutil.rmtree(folder, ignore_errors=True)  # samples of other settings
             tmp.rename(folder)
+            shutil.rmtree(partial, ignore_errors=True)  # all of it is in samples.jsonl now
     accelerator.wait_for_everyone()  # the others wait for the main process's samples
     meta = _read_meta(folder)
     how = "reused from" if reused and accelerator.is_main_process else "generated into"

@@ -1,0 +1,88 @@
+"""A stop signal during set-up (before the first step) ends the process at once with one line and
+exit 75; teacher samples are kept batch by batch, and a restart continues the generation with the
+samples an uninterrupted one makes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
+from train_helpers import DEMO, MHA8, REPO, need_models, tiny_overrides
+from uptrain.train.__main__ import PREEMPTED_FILE, main
+from uptrain.train.preempt import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("phase, said", [("data", "data tokenization"), ("models", "models loading")])
+def test_a_stop_signal_during_set_up_stops_there_with_one_line(tmp_path, capsys, monkeypatch, phase, said):
+    # The signal arrives as set-up enters the phase (a real SIGTERM to this process): nothing after
+    # it runs (no model load after "data", no step after "models"), the last line says where it
+    # stopped and how to continue, preempted.json asks a launch script to requeue.
+    need_models()
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("UPTRAIN_TEST_SIGNAL_IN_SETUP", f"{phase}:SIGTERM")
+    assert main([str(DEMO), *tiny_overrides(run_dir, threads=1)]) == EXIT_PREEMPTED
+    err = capsys.readouterr()
+    line = err.err.strip().splitlines()[-1]
+    assert line.startswith(f"stopped by SIGTERM during set-up ({said}), before the first step"), line
+    assert "no checkpoint yet" in line and line.endswith("resume=latest"), line
+    assert "Traceback" not in err.err
+    assert "plan:" not in err.out  # the plan is printed once the models are loaded: set-up really stopped
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert json.loads((run_dir / PREEMPTED_FILE).read_text())["phase"] == said
+    monkeypatch.delenv("UPTRAIN_TEST_SIGNAL_IN_SETUP")
+    assert main([str(DEMO), *tiny_overrides(run_dir, threads=1), "resume=latest"]) == 0  # nothing to redo
+
+
+SAMPLES = "{tokens: 24000, max_new_tokens: 128, batch: 16, temperature: 1.0, top_p: 0.95, seed: 3}"
+
+
+def _samples_args(run_dir, model):
+    return tiny_overrides(run_dir, steps=2, **{
+        "model": model, "distill.teacher": MHA8, "data.train.files": "null", "threads": 1,
+        "data.train.teacher_samples": SAMPLES, "data.repeat_data": "true", "optim.warmup_steps": 1})
+
+
+def _chunks(run_dir) -> list:
+    folder = run_dir / ".partial-teacher_samples" / "chunks"
+    return sorted(folder.glob("chunk-*.json")) if folder.is_dir() else []
+
+
+def test_sigterm_during_teacher_sample_generation_stops_at_once_and_the_restart_continues_it(tmp_path, gqa4):
+    run_dir = tmp_path / "run"
+    args = _samples_args(run_dir, gqa4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "uptrain.train", str(DEMO), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while len(_chunks(run_dir)) < 2 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    waited = time.monotonic() - sent
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert "during set-up (teacher-samples generation)" in line and "Traceback" not in err, line
+    kept = len(_chunks(run_dir))
+    # Stopped inside the generation, not after it: 24,000 tokens take at least 12 batches of 16 x 128.
+    assert 2 <= kept < 12, kept
+    assert waited < 30, waited  # a bound, not a speed figure: before, it waited for the whole set-up + a step
+
+    # The restart reads the kept batches and generates the rest; the samples are those of an
+    # uninterrupted generation (each batch is seeded by its index alone).
+    assert main([str(DEMO), *args, "resume=latest"]) == 0
+    meta = json.loads((run_dir / "teacher_samples" / "meta.json").read_text())
+    assert meta["batches_reused"] == kept and not (run_dir / ".partial-teacher_samples").exists()
+    whole = tmp_path / "whole"
+    assert main([str(DEMO), *_samples_args(whole, gqa4)]) == 0
+    assert (run_dir / "teacher_samples" / "samples.jsonl").read_text() == \
+        (whole / "teacher_samples" / "samples.jsonl").read_text()
+    assert json.loads((whole / "teacher_samples" / "meta.json").read_text())["batches_reused"] == 0
