@@ -105,3 +105,27 @@ def test_a_bad_step_between_checks_never_reaches_a_checkpoint(tmp_path):
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     assert all(r["step"] <= 2 for r in records), records
     assert not (run_dir / "model").exists()
+
+
+def test_a_bad_step_between_checks_is_not_checkpointed_by_a_stop_signal(tmp_path, monkeypatch):
+    # No sync point until step 8; step 3's gradients are NaN and a SIGTERM arrives after step 3:
+    # the stop path reads the health before it writes anything, so the run ends diverged (naming
+    # step 3), not with a checkpoint of NaN weights that resume=latest would continue from.
+    from uptrain.train.loop import TrainingDiverged, resume_state, setup_run, train_steps
+    from uptrain.train.preempt import StopRequest
+
+    need_models()
+    run_dir = tmp_path / "run"
+    config = load_config(DEMO, tiny_overrides(run_dir, steps=STEPS, **{
+        "log.every": 8, "checkpoint.every": 0, "eval.at_start": "false", "optim.warmup_steps": 0}))
+    run = setup_run(config)
+    inner = run.accelerator.unwrap_model(run.model)
+    _poison_gradient(inner.model.layers[0].self_attn.q_proj.weight, at_call=2 * 2 + 1)  # step 3, grad_accum 2
+    start, batches = resume_state(run)
+    monkeypatch.setenv("UPTRAIN_TEST_SIGNAL_AT", "3:0:SIGTERM")
+    with StopRequest().installed() as stop:
+        stop.setup_done()
+        with pytest.raises(TrainingDiverged, match=r"gradient norm is nan at step 3 .*found at the check after step 3"):
+            train_steps(run, start, batches, stop)
+    assert complete_checkpoints(run_dir) == []
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())

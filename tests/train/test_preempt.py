@@ -16,7 +16,7 @@ import pytest
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overrides, train_losses
 from test_train_multiproc import _free_port
-from uptrain.train.__main__ import main
+from uptrain.train.__main__ import PREEMPTED_FILE, main
 from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
@@ -198,6 +198,7 @@ def test_one_ctrl_c_delivered_twice_is_one_press_and_a_later_second_press_stops_
 
     before = signal.getsignal(signal.SIGTERM)
     with StopRequest().installed() as stop:
+        stop.setup_done()  # in the loop (during set-up a first Ctrl-C stops at once: test_setup_stop.py)
         try:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
@@ -210,3 +211,54 @@ def test_one_ctrl_c_delivered_twice_is_one_press_and_a_later_second_press_stops_
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # the handler runs here, in the main thread
     assert signal.getsignal(signal.SIGTERM) is before  # the previous handlers are back
+
+
+def test_a_stop_whose_checkpoint_would_overrun_the_grace_keeps_the_last_one_and_resumes(tmp_path, reference):
+    # Checkpoint 2 takes over 4 s (a slow write); the grace is 3 s. A SIGTERM after step 3: a
+    # checkpoint there would be killed half-way, so none is started; the process still exits 75
+    # naming checkpoint 2 (preempted.json too, so a launch script requeues), and resume=latest
+    # redoes step 3 to the uninterrupted losses.
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, **{"checkpoint.every": 2, "checkpoint.keep": 5, "stop_grace_s": 3})
+    proc = _one_process(args, UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:4", UPTRAIN_TEST_SIGNAL_AT="3:0:SIGTERM")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "grace 3 s (stop_grace_s)" in out
+    assert "warning: checkpoint 2 took 4." in out and "more than the 3 s stop grace" in out, out
+    assert "no checkpoint at step 3: a write takes ~4." in out, out
+    line = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM after step 3 of 12" in line and "checkpoint-00000002 kept" in line, line
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]
+    mark = json.loads((run_dir / PREEMPTED_FILE).read_text())
+    assert mark["step"] == 3 and mark["checkpoint"].endswith("checkpoint-00000002")
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    _resume_matches(run_dir, args, reference)
+
+
+def test_sigterm_to_the_launcher_during_a_45_s_checkpoint_completes_it_when_the_grace_is_raised(tmp_path, reference):
+    # torchrun (under accelerate launch) SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after
+    # forwarding a SIGTERM (default 30: this checkpoint was lost). Raised to the grace, as
+    # scripts/slurm/uptrain.sbatch does, the 45 s write completes, both workers exit 75 with the
+    # checkpoint named, and two processes resume to the uninterrupted losses.
+    need_models()
+    run_dir = tmp_path / "run"
+    args = _two_process_args(run_dir, **{"checkpoint.every": 2})
+    env = _env(UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:45", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="120")
+    proc = subprocess.Popen(_launch(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writing = run_dir / "checkpoints" / ".tmp-checkpoint-00000002"
+    while not writing.is_dir() and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(2)  # inside the write: the state files are being written, the slow part follows
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]  # torchrun's SignalException; the workers exited 75 after the write
+    assert "Unable to shutdown process" not in err and "forcefully exiting" not in err, err[-3000:]
+    assert "grace 120 s (torchrun's shutdown timeout)" in out, out[-2000:]
+    assert err.count("stopped by SIGTERM after step 2 of 12") == 1, err[-3000:]
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]
+    assert json.loads((run_dir / PREEMPTED_FILE).read_text())["checkpoint"].endswith("checkpoint-00000002")
+    resumed = _two_processes(args + ["resume=latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = train_losses(run_dir)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, abs=1e-5), step
