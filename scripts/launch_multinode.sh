@@ -12,12 +12,17 @@
 #   ACCEL_CONFIG       accelerate config file (default: configs/accelerate/fsdp2.yaml with GPUs;
 #                      none without: plain CPU processes over gloo); "none" for none
 #   PYTHON             the Python that runs accelerate (default: python)
+#   STOP_GRACE_S       seconds the scheduler leaves between its stop signal and the kill (Kubernetes:
+#                      terminationGracePeriodSeconds; Slurm: the --signal lead time). Set, it becomes
+#                      torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; else 30 s, after
+#                      which torchrun SIGKILLs workers still writing their preemption checkpoint) and
+#                      the trainer's deadline (UPTRAIN_STOP_GRACE_S); SIGUSR1 is forwarded too.
 # run_dir must be one folder that every machine mounts (checkpoints, teacher samples, the final
 # model and metrics are written there by several processes); caches need not be shared. The
 # trainer checks it at start. SLURM: srun --nodes=N --ntasks-per-node=1 scripts/launch_multinode.sh ...
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
-  sed -n '2,17p' "$0" >&2
+  sed -n '2,22p' "$0" >&2
   exit 2
 fi
 NUM_MACHINES=${NUM_MACHINES:-${SLURM_NNODES:-1}}
@@ -38,6 +43,14 @@ if ! [[ "$NUM_MACHINES" =~ ^[1-9][0-9]*$ && "$PROCS_PER_MACHINE" =~ ^[1-9][0-9]*
   echo "error: NUM_MACHINES=$NUM_MACHINES, PROCS_PER_MACHINE=$PROCS_PER_MACHINE, MACHINE_RANK=$MACHINE_RANK:" \
        "need positive counts and 0 <= MACHINE_RANK < NUM_MACHINES" >&2
   exit 2
+fi
+if [[ -n "${STOP_GRACE_S:-}" ]]; then
+  if ! [[ "$STOP_GRACE_S" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: STOP_GRACE_S=$STOP_GRACE_S: give whole seconds, e.g. STOP_GRACE_S=300" >&2
+    exit 2
+  fi
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$STOP_GRACE_S UPTRAIN_STOP_GRACE_S=$STOP_GRACE_S
+  export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 fi
 if [[ "$ACCEL_CONFIG" == none ]]; then
   # No config file: plain processes (DDP; on CPU gloo, as Accelerator(cpu=True) picks).
