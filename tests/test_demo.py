@@ -103,3 +103,63 @@ def test_own_text_that_cannot_be_used_is_refused_in_one_line(tmp_path, capsys, c
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "mine.txt" in err
     assert not (tmp_path / "demo" / "stories260K-gqa2").exists()
+
+
+def _short_context_model(tmp_path):
+    """The real stories260K (4 K/V heads) with a 128-position context, in a folder of its own."""
+    model = tmp_path / "short-model"
+    shutil.copytree(built_gqa4(), model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 128
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_own_model_is_scored_within_its_context_as_uptrain_eval_scores_it(tmp_path, capsys):
+    # A model with 128 positions: the demo scored it in 512-token windows (beyond its context, a
+    # number uptrain.eval refuses to make); now in 128-token windows, equal to uptrain.eval's.
+    from uptrain.measure.eval import main as eval_main
+
+    model = _short_context_model(tmp_path)
+    text = tmp_path / "mine.txt"
+    text.write_text(TRAIN_TXT.read_text())
+    out = tmp_path / "demo"
+    assert main(["--model", str(model), "--data", str(text), "--out", str(out), "--stories", "3", "--skip-uptrain",
+                 "--method", "mean", "--refine-steps", "0", "--calib-tokens", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "128-token windows, stride 64: the model's context" in printed, printed
+    shown = {name: float(loss) for name, loss in
+             re.findall(r"\| (GQA source \(4 K/V heads\)|GQA-1, converted)[^|]*\| ([0-9.]+)", printed)}
+    valid = out / "data" / "valid.jsonl"
+    stories = [json.loads(line)["text"] for line in valid.read_text().splitlines()][:3]
+    subset = tmp_path / "valid3.jsonl"
+    subset.write_text("".join(json.dumps({"text": t}) + "\n" for t in stories))
+    assert eval_main([str(model), str(out / "short-model-gqa1"), "--data", str(subset),
+                      "--json", str(tmp_path / "eval.json")]) == 0
+    records = json.loads((tmp_path / "eval.json").read_text())
+    assert records[0]["max_length"] == 128
+    assert [round(r["loss"], 3) for r in records] == [shown["GQA source (4 K/V heads)"], shown["GQA-1, converted"]]
+    # the bundled TinyStories tasks are not run on a model of the user's by default, and it says how to choose
+    assert "lm-eval task scores" not in printed and "--tasks" in printed
+
+
+def test_a_kv_count_the_model_cannot_take_is_refused_before_anything_is_printed(tmp_path, capsys):
+    assert main(["--kv-heads", "3", "--out", str(tmp_path / "demo")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: 3 does not divide the 8 K/V heads"), captured
+    assert not (tmp_path / "demo").exists()
+
+
+def test_out_replaces_an_earlier_demo_whole_and_refuses_another_folder(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["--out", str(out), "--skip-uptrain", "--stories", "1", "--method", "mean", "--refine-steps", "0",
+            "--calib-tokens", "0", "--tasks", "none"]
+    assert main(argv) == 0
+    (out / "left-from-before.txt").write_text("old")
+    assert main(argv) == 0
+    assert not (out / "left-from-before.txt").exists()  # replaced whole, not mixed
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert main([*argv[2:], "--out", str(other)]) == 2
+    assert "not make" in capsys.readouterr().err and (other / "notes.txt").read_text() == "mine"

@@ -31,10 +31,11 @@ from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.convert.choices import GROUPINGS, METHODS
 from uptrain.convert.hfconfig import model_shape, source_family
+from uptrain.convert.pipeline import check_kv_heads
 from uptrain.convert.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
-from uptrain.measure.eval import evaluate, load_model, tokenize_texts
+from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.units import kv_cache_bytes_per_token
 
@@ -46,12 +47,16 @@ TRAIN = EXAMPLES / "data" / "tinystories-train-sample.txt"
 REFINE_STEPS = 1200  # the converter's --refine-steps default (results/refine-uptrain.md: the demo's goal needs it)
 OWN_MODEL_LR = 1e-4  # 1/3 of 3e-4, a common pre-training peak; configs/demo-cpu.yaml's 1e-3 is tuned to stories260K
 HELD_OUT_SHARE = 0.1  # of --data's documents, when no --valid
+BUNDLED_TASKS = "stories_cloze,stories_ending"  # TinyStories tasks (uptrain/measure/task_data/)
 
 
-def held_out_loss(model_dir: Path, texts: list[str]) -> tuple[float, float, int]:
-    """(loss in nats/token, perplexity, KV-cache bytes per token) of a model folder on `texts`."""
+def held_out_loss(model_dir: Path, texts: list[str], max_length: int | None = None,
+                  stride: int | None = None) -> tuple[float, float, int]:
+    """(loss in nats/token, perplexity, KV-cache bytes per token) of a model folder on `texts`, scored
+    as uptrain.eval scores it (`evaluate`; windows: `model_windows`, the model's context by default)."""
+    max_length, stride = model_windows([str(model_dir)], max_length, stride)
     model, tokenizer = load_model(str(model_dir))
-    result = evaluate(model, tokenize_texts(tokenizer, texts), max_length=512, stride=256)
+    result = evaluate(model, tokenize_texts(tokenizer, texts), max_length=max_length, stride=stride)
     shape = model_shape(model.config)  # the registry's K/V head field, as convert and train read it
     kv = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, model.dtype.itemsize)
     return result.loss, result.perplexity, kv
@@ -73,30 +78,39 @@ def default_kv_heads(heads: int, kv: int) -> int:
     return target
 
 
-def source_model(model: str) -> tuple[Path, int, int]:
-    """(folder, query heads, K/V heads) of a model to convert; UsageError if it cannot be converted.
+def source_model(model: str, kv_heads: int | None) -> tuple[Path, int, int, int]:
+    """(folder, query heads, K/V heads, K/V heads after conversion) of a model to convert; UsageError
+    if it cannot be converted to `kv_heads` (None: `default_kv_heads`).
 
-    Checks what the conversion checks first (the folder or Hub id, the registry's model type), so
-    that the demo refuses in one line before it reads or trains anything.
+    Checks what the conversion checks first (the folder or Hub id, the registry's model type, the
+    K/V head count), so that the demo refuses in one line before it prints, reads or trains anything.
     """
     folder = resolve_source(model)
     raw = read_config(folder)
-    source_family(raw)  # the registry's one-line refusal of other types
+    family = source_family(raw)  # the registry's one-line refusal of other types
     shape = model_shape(raw)
     if shape.kv_heads == 1:
         raise UsageError(f"{model} already has 1 K/V head (multi-query attention); nothing left to convert")
-    return folder, shape.heads, shape.kv_heads
+    target = kv_heads or default_kv_heads(shape.heads, shape.kv_heads)
+    check_kv_heads(target, shape.heads, shape.kv_heads, family.mqa_only, raw.get("model_type", "?"))
+    return folder, shape.heads, shape.kv_heads, target
 
 
-def split_text(data: Path, out: Path) -> tuple[Path, Path]:
-    """Write --data's documents to OUT/data/{train,valid}.jsonl: the last tenth held out, whole.
-
-    The held-out documents are the end of the file, never trained on.
-    """
+def split_documents_of(data: Path) -> list[str]:
+    """--data's documents, read as the trainer reads them; UsageError when there are too few to hold
+    out any (checked before the demo writes anything)."""
     texts = read_documents(DataSource(files=[str(data)]))
     if len(texts) < 2:
         raise UsageError(f"--data {data} holds {len(texts)} document; the demo holds out the last tenth for "
                          "scoring: give more documents (a blank line between them in .txt) or --valid FILE")
+    return texts
+
+
+def write_split(texts: list[str], out: Path) -> tuple[Path, Path]:
+    """Write the documents to OUT/data/{train,valid}.jsonl: the last tenth held out, whole.
+
+    The held-out documents are the end of the file, never trained on.
+    """
     held = max(1, round(HELD_OUT_SHARE * len(texts)))
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
@@ -106,10 +120,10 @@ def split_text(data: Path, out: Path) -> tuple[Path, Path]:
     return folder / "train.jsonl", folder / "valid.jsonl"
 
 
-@exit_on_usage_error
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> ArgParser:
     p = ArgParser(prog=prog_name("uptrain.demo"), description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (replaced)")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (an earlier demo's "
+                   "folder there is replaced whole; any other folder is refused)")
     p.add_argument("--model", help="your own model to convert: a local folder or a Hub id (default: the embedded "
                    "stories260K-mha8)")
     p.add_argument("--data", type=Path, help="your own text (.txt, .jsonl, .json, .parquet): trained on, its last "
@@ -133,30 +147,63 @@ def main(argv: list[str] | None = None) -> int:
                    help="held-out text: stories separated by blank lines (default: the shipped TinyStories sample, "
                         "or the end of --data)")
     add_threads_arg(p, "conversion, calibration, training and evaluation")
-    p.add_argument("--tasks", default="stories_cloze,stories_ending",
-                   help="bundled lm-eval tasks to score every model on (needs uptrain[eval]); none: skip")
+    p.add_argument("--tasks", default=None,
+                   help="lm-eval tasks to score every model on (needs uptrain[eval]); default: the bundled "
+                        f"TinyStories tasks ({BUNDLED_TASKS}) for the bundled model, none for yours (they would "
+                        "score a model trained on other text near zero); none: skip")
     p.add_argument("--task-limit", type=positive_int, default=50, help="items per task")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of configs/demo-cpu.yaml")
-    args = p.parse_args(argv)
+    return p
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     threads = start_threads(args.threads).threads
-    if args.model is None:
-        source = EXAMPLES / "stories260K-mha8"
-        if not source.is_dir():
-            raise UsageError(f"{source} is missing; run the demo from a checkout of the repository")
-        name, heads, kv_before = "stories260K", 8, 8
-    else:
-        source, heads, kv_before = source_model(args.model)
-        name = args.model.rstrip("/").split("/")[-1]
-    kv_heads = args.kv_heads or default_kv_heads(heads, kv_before)
+    bundled = EXAMPLES / "stories260K-mha8"
+    if args.model is None and not bundled.is_dir():
+        raise UsageError(f"{bundled} is missing; run the demo from a checkout of the repository")
+    name = "stories260K" if args.model is None else args.model.rstrip("/").split("/")[-1]
+    # Everything that can be refused is checked before anything is printed or written.
+    source, heads, kv_before, kv_heads = source_model(args.model or str(bundled), args.kv_heads)
+    tasks = args.tasks or (BUNDLED_TASKS if args.model is None else "none")
+    max_length, stride = model_windows([str(source)])  # uptrain.eval's rule: within the model's context
     # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
     train_text, valid_path = TRAIN, args.valid or VALID
-    if args.data is not None:
-        train_text, held_out = split_text(args.data, args.out)
+    own_texts = split_documents_of(args.data) if args.data is not None else None
+    prepare_out(args.out)
+    if own_texts is not None:
+        train_text, held_out = write_split(own_texts, args.out)
         valid_path = args.valid or held_out
     valid = read_documents(DataSource(files=[str(valid_path)]), args.stories)
     announce_threads()
     torch.manual_seed(0)
 
+    converted, method = convert_step(args, source, name, kv_heads, train_text)
+    kind = "MHA" if kv_before == heads else "GQA"
+    models = [(f"{kind} source ({kv_before} K/V heads)", source), (f"GQA-{kv_heads}, converted ({method})", converted)]
+    if not args.skip_uptrain:
+        uptrained = uptrain_step(args, source, converted, train_text, valid_path, threads)
+        kd = f", distilled alpha_kd {args.alpha_kd}" if args.alpha_kd > 0 else ""
+        models.append((f"GQA-{kv_heads}, uptrained{kd}", uptrained))
+    shown = _shown(args.data) + ", its last tenth" if args.data and not args.valid else _shown(valid_path)
+    report(models, valid, f"{shown} ({len(valid)} {'stories' if args.data is None else 'documents'}",
+           max_length, stride)
+    if tasks != "none":
+        from uptrain.measure.tasks import parse_task_names, print_demo_scores
+
+        print_demo_scores([label for label, _ in models], [str(path) for _, path in models], parse_task_names([tasks]),
+                          args.task_limit, max_length)
+    elif args.model is not None and args.tasks is None:
+        print("\n(lm-eval tasks: none by default for your model: the bundled ones are TinyStories tasks; "
+              "name tasks that fit it with --tasks, e.g. --tasks hellaswag,arc_easy with their data in the "
+              "datasets cache: docs/measure.md)")
+    return 0
+
+
+def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path) -> tuple[Path, str]:
+    """Convert `source` into OUT/NAME-gqaK as the arguments say; (folder, method shown in the table).
+    A line per refined layer, with the time left, so the conversion is never silent for long."""
     calibration, refine = None, None
     refining = args.refine_steps > 0 and args.method != "random"
     if args.calib_tokens > 0 and (args.method == "fit" or refining):
@@ -166,52 +213,80 @@ def main(argv: list[str] | None = None) -> int:
         if refining:
             from uptrain.convert.refine_layer import RefineSettings
 
-            refine = RefineSettings(steps=args.refine_steps)
+            refine = RefineSettings(steps=args.refine_steps, log=layer_progress(model_shape(read_config(source)).layers))
     how = args.method + (f", {args.grouping} grouping" if args.grouping != "contiguous" else "")
     how += f", calibrated on {args.calib_tokens:,} tokens of {train_text.name}" if calibration else ""
     how += f", refined (at most {args.refine_steps} steps per layer)" if refine else ""
     converted = args.out / f"{name}-gqa{kv_heads}"
-    print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})")
+    print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})", flush=True)
     convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
             grouping=args.grouping, refine=refine)
-    kind = "MHA" if kv_before == heads else "GQA"
-    method = args.method + (" + refine" if refine else "")
-    rows = [(f"{kind} source ({kv_before} K/V heads)", *held_out_loss(source, valid)),
-            (f"GQA-{kv_heads}, converted ({method})", *held_out_loss(converted, valid))]
+    return converted, args.method + (" + refine" if refine else "")
 
-    if not args.skip_uptrain:
-        from uptrain.train import train
-        from uptrain.train.config import load_config
-        run_dir = args.out / "uptrain"
-        print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}")
-        distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
-        own_lr = []
-        if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides):
-            own_lr = [f"optim.lr={OWN_MODEL_LR}"]
-            print(f"   peak lr {OWN_MODEL_LR:g}: 1/3 of 3e-4, a common pre-training peak; better 1/3 of your "
-                  "model's own (model card), or measure: scripts/lr_sweep.py; set it with optim.lr=X")
-        config = load_config(CONFIG, [f"model={converted}", f"run_dir={run_dir}", "overwrite=true",
-                                      f"data.train.files=[{train_text}]", f"data.val.files=[{valid_path}]",
-                                      *distill, *own_lr, f"threads={threads}",
-                                      *args.overrides])
-        train(config)
-        kd = f", distilled alpha_kd {args.alpha_kd}" if args.alpha_kd > 0 else ""
-        rows.append((f"GQA-{kv_heads}, uptrained{kd}", *held_out_loss(run_dir / "model", valid)))
 
+def layer_progress(layers: int):
+    """A RefineSettings.log that prints each layer's line with the layers done and the time left."""
+    import time
+
+    began, done = time.monotonic(), [0]
+
+    def log(line: str) -> None:
+        done[0] += 1
+        left = (time.monotonic() - began) / done[0] * (layers - done[0])
+        print(f"   {line} [{done[0]}/{layers} layers, ~{left:.0f} s left]", flush=True)
+    return log
+
+
+def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int) -> Path:
+    """Uptrain `converted` with configs/demo-cpu.yaml (distilling from `source`); the model folder."""
+    from uptrain.train import train
+    from uptrain.train.config import load_config
+
+    run_dir = args.out / "uptrain"
+    print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}", flush=True)
+    distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
+    own_lr = []
+    if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides):
+        own_lr = [f"optim.lr={OWN_MODEL_LR}"]
+        print(f"   peak lr {OWN_MODEL_LR:g}: 1/3 of 3e-4, a common pre-training peak; better 1/3 of your "
+              "model's own (model card), or measure: scripts/lr_sweep.py; set it with optim.lr=X")
+    config = load_config(CONFIG, [f"model={converted}", f"run_dir={run_dir}", "overwrite=true",
+                                  f"data.train.files=[{train_text}]", f"data.val.files=[{valid_path}]",
+                                  *distill, *own_lr, f"threads={threads}", *args.overrides])
+    train(config)
+    return run_dir / "model"
+
+
+def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_length: int, stride: int) -> None:
+    """The held-out loss table of `models` (label, folder), scored as uptrain.eval scores."""
+    print(f"== score {len(models)} models on {len(valid)} held-out documents ({max_length}-token windows)", flush=True)
+    rows = [(label, *held_out_loss(path, valid, max_length, stride)) for label, path in models]
     base_kv = rows[0][3]
-    table = [[label, f"{loss:.3f}", f"{ppl:.2f}", f"{kv:,} B", f"{base_kv / kv:.0f}x"]
-             for label, loss, ppl, kv in rows]
-    shown = _shown(args.data) + ", its last tenth" if args.data and not args.valid else _shown(valid_path)
-    unit = "stories" if args.data is None else "documents"
-    print(f"\nHeld-out loss on {shown} ({len(valid)} {unit}, "
-          f"512-token windows, stride 256):\n")
+    table = [[label, f"{loss:.3f}", f"{ppl:.2f}", f"{kv:,} B", f"{base_kv / kv:.0f}x"] for label, loss, ppl, kv in rows]
+    print(f"\nHeld-out loss on {what}, {max_length}-token windows, stride {stride}: the model's context, as "
+          "uptrain.eval scores):\n")
     print(format_table(["model", "loss (nats/token)", "perplexity", "KV cache / token", "KV reduction"], table))
-    if args.tasks != "none":
-        from uptrain.measure.tasks import parse_task_names, print_demo_scores
+    if len(models) > 2:
+        print("\n(The trainer's val loss above is over packed blocks of the training format, each document's "
+              "context cut at block edges; this table scores each document whole: the two differ, this one "
+              "is the number to compare models with. docs/layout.md, 'Two validation numbers'.)")
 
-        paths = [source, converted] + ([] if args.skip_uptrain else [run_dir / "model"])
-        print_demo_scores([r[0] for r in rows], [str(x) for x in paths], parse_task_names([args.tasks]), args.task_limit)
-    return 0
+
+DEMO_MARK = ".uptrain-demo"  # in a folder the demo made: only such a folder is replaced by --out
+
+
+def prepare_out(out: Path) -> None:
+    """Make `out` an empty folder for this demo: an earlier demo's folder is removed whole (its old
+    files would mix with the new ones); any other non-empty folder is refused in one line."""
+    import shutil
+
+    if out.exists() and any(out.iterdir()):
+        if not (out / DEMO_MARK).is_file():
+            raise UsageError(f"--out {out} is a non-empty folder the demo did not make; give another --out "
+                             "(the demo replaces only its own folders)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARK).write_text("made by python -m uptrain.demo; replaced whole by the next demo into it\n")
 
 
 if __name__ == "__main__":

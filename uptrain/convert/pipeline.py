@@ -40,6 +40,26 @@ from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
 RECORD_FILE = "uptrain_conversion.json"
 
 
+def check_kv_heads(kv_heads: int, heads: int, kv: int, mqa_only: bool, model_type: str,
+                   allow_expand: bool = False) -> None:
+    """UsageError naming the valid counts unless `kv_heads` can be made from `kv` K/V heads
+    (`heads` query heads; `mqa_only` families only 1; `allow_expand` also multiples of `kv`)."""
+    valid = [1, kv] if mqa_only else divisors(kv)
+    if allow_expand and not mqa_only:
+        valid = sorted(set(valid) | {k for k in divisors(heads) if k % kv == 0})
+    if kv_heads in valid:
+        return
+    if kv_heads <= 0:
+        problem = f"--kv-heads must be positive, got {kv_heads}"
+    elif kv_heads > kv:
+        problem = f"the checkpoint has {kv} K/V heads ({heads} query heads); pooling cannot make {kv_heads}"
+    elif mqa_only:
+        problem = f"{model_type} can only be multi-query (one K/V head)"
+    else:
+        problem = f"{kv_heads} does not divide the {kv} K/V heads"
+    raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
+
+
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
             grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
@@ -77,20 +97,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         source = open_checkpoint(folder, raw)
     cfg = load_hf_config(source.config)
     dims = attention_dims(cfg, family)
-    valid = [1, dims.kv_heads] if family.mqa_only else divisors(dims.kv_heads)
-    if allow_expand and not family.mqa_only:
-        valid = sorted(set(valid) | {k for k in divisors(dims.heads) if k % dims.kv_heads == 0})
-    if kv_heads not in valid:
-        if kv_heads <= 0:
-            problem = f"--kv-heads must be positive, got {kv_heads}"
-        elif kv_heads > dims.kv_heads:
-            problem = (f"the checkpoint has {dims.kv_heads} K/V heads ({dims.heads} query heads); "
-                       f"pooling cannot make {kv_heads}")
-        elif family.mqa_only:
-            problem = f"{source.config['model_type']} can only be multi-query (one K/V head)"
-        else:
-            problem = f"{kv_heads} does not divide the {dims.kv_heads} K/V heads"
-        raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
+    check_kv_heads(kv_heads, dims.heads, dims.kv_heads, family.mqa_only, source.config["model_type"], allow_expand)
     full_config = cfg.to_dict() | source.config
     start_method, start_note = method, None
     if refine is not None:

@@ -198,21 +198,27 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
 
 
 def window_args(args: argparse.Namespace, model_paths: Sequence[str]) -> tuple[int, int]:
-    """(max_length, stride) from the arguments, defaulting to the smallest model context; a
-    --max-length beyond a model's context is refused here, before any model loads."""
+    """(max_length, stride) from the arguments (`model_windows`)."""
+    return model_windows(model_paths, args.max_length, args.stride)
+
+
+def model_windows(model_paths: Sequence[str], max_length: int | None = None,
+                  stride: int | None = None) -> tuple[int, int]:
+    """(max_length, stride) of a scoring: the window defaults to the smallest model context (at most
+    2048), the stride to half of it; a max_length beyond a model's context is refused here, before
+    any model loads. The one rule: uptrain.eval, compare and the demo score with it."""
     from transformers import AutoConfig
 
     for p in model_paths:
         require_model_folder(p)
     contexts = [getattr(AutoConfig.from_pretrained(p).get_text_config(), "max_position_embeddings", None)
                 for p in model_paths]
-    max_length = args.max_length
     if max_length is None:
         max_length = min(2048, *(c or 2048 for c in contexts))
     for p, limit in zip(model_paths, contexts):
         if limit and max_length > limit:
             raise UsageError(f"{p}: --max-length {max_length} exceeds its max_position_embeddings {limit}")
-    stride = args.stride or max(1, max_length // 2)
+    stride = stride or max(1, max_length // 2)
     window_spans(0, max_length, stride)  # validates the pair
     return max_length, stride
 

@@ -257,13 +257,15 @@ def print_task_scores(args: argparse.Namespace, paths: Sequence[str], scores: Se
         print(f"wrote {args.task_plot}", file=out)
 
 
-def print_demo_scores(labels: Sequence[str], paths: Sequence[str], names: Sequence[str], limit: int | None) -> None:
-    """The demo's task table (bundled tasks, offline); one line instead where lm-eval is not installed."""
+def print_demo_scores(labels: Sequence[str], paths: Sequence[str], names: Sequence[str], limit: int | None,
+                      max_length: int = 512) -> None:
+    """The demo's task table (bundled tasks, offline); one line instead where lm-eval is not installed.
+    `max_length`: the scoring window (the model's context, as for the loss table)."""
     try:
         require_lm_eval()
     except UsageError as err:
         print(f"\n(task scores skipped: {err})")
         return
-    scores = score_paths(paths, names, task_manager(names), 512, limit)
+    scores = score_paths(paths, names, task_manager(names), max_length, limit)
     print(f"\nlm-eval task scores ({', '.join(names)}; first {limit} items each; ± standard error):\n")
     print(task_table(labels, scores, shorten=False))
