@@ -17,9 +17,10 @@ def test_template_marks_the_keys_to_set_and_its_header_gives_the_commands():
     text = TEMPLATE.read_text()
     marked = re.findall(r"^\s*([a-z_]+):.*# SET", text, flags=re.M)
     assert marked == ["model", "run_dir", "files", "files", "seq_len", "fraction", "micro_batch", "lr", "teacher"]
-    header = "\n".join(text.splitlines()[:8])
-    for command in ("cp configs/template.yaml configs/my-run.yaml", "python -m uptrain.convert",
-                    "scripts/lr_sweep.py configs/my-run.yaml", "python -m uptrain.train configs/my-run.yaml"):
+    header = "\n".join(text.splitlines()[:9])
+    for command in ("cp configs/template.yaml configs/my-run.yaml", "python -m uptrain.convert", "--refine",
+                    "scripts/lr_sweep.py configs/my-run.yaml", "python -m uptrain.train configs/my-run.yaml",
+                    "python -m uptrain.eval MY_MODEL runs/my-model-gqa4 runs/my-model-uptrain/model"):
         assert command in header, command
     assert "relative to this file's folder" in text and "relative to the folder you run from" in text
 

@@ -152,7 +152,7 @@ def test_val_fraction_holds_out_whole_documents(tokenizer, tmp_path):
     config = load_config(DEMO, tiny_overrides(tmp_path / "run", steps=20, **{
         "model": built_gqa4(), "data.train.files": f"[{path}]", "data.val": "null", "data.val_fraction": 0.2,
         "data.seq_len": 32, "data.repeat_data": "true"}))
-    train, val, n_train, _ = build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))
+    train, val, n_train, _, _ = build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))
     assert len(train) >= n_train
     val_blocks = [list(b) for b in val["input_ids"]]
     held_out = set().union(*(_markers(tokenizer, b) for b in val_blocks))
@@ -198,3 +198,23 @@ def test_a_held_out_share_without_a_full_block_is_a_usage_error(tokenizer, tmp_p
         "data.repeat_data": "true"}))  # one held-out document < seq_len 64
     with pytest.raises(UsageError, match=r"held-out 0.01 of .* \(1 documents\) .*raise data.val_fraction or give data.val"):
         build_data(config, tokenizer, plan_run(config, 1), Accelerator(cpu=True))
+
+
+def test_documents_held_out_of_the_training_text_are_written_for_uptrain_eval(tmp_path):
+    # Without data.val the run validates on a held-out share of the training documents: they are
+    # written whole to run_dir/held_out.jsonl (what the README's eval line scores), none trained on.
+    from train_helpers import DEMO, need_models, tiny_overrides
+    from uptrain.data import read_documents
+    from uptrain.train.__main__ import main
+    from uptrain.train.config import load_config
+
+    need_models()
+    run_dir = tmp_path / "run"
+    assert main([str(DEMO), *tiny_overrides(run_dir, steps=2, threads=1, **{
+        "data.val": "null", "data.val_fraction": 0.1, "optim.warmup_steps": 1})]) == 0
+    held = [json.loads(line)["text"] for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    everything = read_documents(DataSource(files=[str(TRAIN)]))
+    assert len(held) == round(0.1 * len(everything)) and set(held) <= set(everything)
+    config = load_config(DEMO, tiny_overrides(run_dir, **{"data.val": "null", "data.val_fraction": 0.1}))
+    train_docs, _ = split_documents(documents(config.data.train), 0.1, config.seed)
+    assert not set(held) & set(train_docs["text"])  # never trained on

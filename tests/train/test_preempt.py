@@ -16,7 +16,8 @@ import pytest
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overrides, train_losses
 from test_train_multiproc import _free_port
-from uptrain.train.__main__ import PREEMPTED_FILE, main
+from uptrain.train.__main__ import main
+from uptrain.train.run_state import PREEMPTED_FILE
 from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 

@@ -95,7 +95,8 @@ BAD = {
     "model folder without config.json": (lambda tmp: [f"model={tmp}"], "is not a model folder (no config.json"),
     "save_dtype unknown": (lambda tmp: ["save_dtype=int8"], "save_dtype must be source, float32, bfloat16 or float16"),
     "kv heads": (lambda tmp: ["expect_kv_heads=2"], "has 4 key/value heads but expect_kv_heads=2"),
-    "tokenizer mismatch": (lambda tmp: [f"distill.teacher={_teacher_with_other_vocab(tmp)}"], "do not share a tokenizer"),
+    "tokenizer mismatch": (lambda tmp: [f"distill.teacher={_teacher_with_other_vocab(tmp)}"],
+                           "do not share a tokenizer (both 512 tokens, but 2 map to other ids"),
     "data below budget": (lambda tmp: ["budget.tokens=2e6"], "set data.repeat_data=true"),
     "other run": (lambda tmp: [] if _other_run(tmp / "run") else [], "already holds a run"),
     "seq_len beyond the model": (lambda tmp: ["data.seq_len=1024", "budget.tokens=1e5"], "data.seq_len=1024 is beyond the 512 positions"),
@@ -183,3 +184,22 @@ def test_without_threads_the_plan_says_what_it_chose_from_the_load(tmp_path, cap
     assert main([str(DEMO), *tiny_overrides(tmp_path / "run", steps=2, **{"optim.warmup_steps": 1})]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU threads per process:"))
     assert "load average" in line and "config: threads" in line, line
+
+
+def test_bad_yaml_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: x\ndata:\n  train:\n    files: [a.txt]\n   seq_len: 64\n")  # line 5 mis-indented
+    assert main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not valid YAML: line 5, column 4:" in err, err
+
+
+def test_training_a_model_that_was_not_converted_warns(tmp_path, capsys):
+    # The MHA source itself (8 K/V heads for 8 query heads), given by mistake: trained, with a warning.
+    need_models()
+    args = tiny_overrides(tmp_path / "run", steps=1, **{"model": MHA8, "optim.warmup_steps": 0, "threads": 1})
+    assert main([str(DEMO), *args]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: model {MHA8} has as many K/V heads as query heads (8): it is not a GQA conversion" in out, out
+    assert main([str(DEMO), *tiny_overrides(tmp_path / "run2", steps=1, **{"optim.warmup_steps": 0, "threads": 1})]) == 0
+    assert "warning: model" not in capsys.readouterr().out  # a converted model (4 of 8): no warning

@@ -167,3 +167,48 @@ def test_split_at_bos_keeps_every_token_and_starts_each_document_at_bos():
         assert all(d for d in docs) and all(bos not in d[1:] for d in docs)  # no BOS inside a document
         assert all(d[0] == bos for d in docs[1:])  # every document after the first starts at a BOS
         assert len(docs) == tokens[1:].count(bos) + (1 if tokens else 0)
+
+
+def test_samples_stay_within_the_teachers_context(tmp_path):
+    # A teacher with 128 positions asked for 256 new tokens a document: each prompt + sample fits in
+    # its 128 positions (before: 256 new tokens, past what it was trained on, with only a warning).
+    import json as _json
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from uptrain.data import TeacherSamples
+    from uptrain.train.teacher_samples import ChunkStore, generate_documents
+
+    teacher = tmp_path / "short-teacher"
+    shutil.copytree(MHA8, teacher)
+    config = _json.loads((teacher / "config.json").read_text())
+    config["max_position_embeddings"] = 128
+    (teacher / "config.json").write_text(_json.dumps(config))
+    model, tok = AutoModelForCausalLM.from_pretrained(teacher).eval(), AutoTokenizer.from_pretrained(teacher)
+    chunks = ChunkStore(tmp_path / "chunks")
+    generate_documents(model, tok, TeacherSamples(tokens=3000, max_new_tokens=256, batch=8), torch.device("cpu"), chunks)
+    rows = [row for i in range(chunks.count()) for row in chunks.read(i)]
+    assert rows and max(r["new_tokens"] for r in rows) <= 127  # + the BOS prompt: 128 positions
+
+
+def test_samples_below_the_budget_are_refused_before_generating(tmp_path, gqa2, capsys):
+    run_dir = tmp_path / "run"
+    args = _samples_args(run_dir, gqa2, **{"data.repeat_data": "false",
+                                           "data.train.teacher_samples": "{tokens: 1000, batch: 8}"})
+    assert main([str(DEMO), *args]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "teacher_samples.tokens 1,000 is below the budget of 4,096 tokens" in last and "repeat_data" in last, last
+    assert not (run_dir / ".partial-teacher_samples").exists() and not (run_dir / "teacher_samples").exists()
+
+
+def test_the_shipped_teacher_samples_config_trains_without_any_text(tmp_path, gqa2):
+    # configs/teacher-samples.yaml as its header says, on a budget a test can afford.
+    from conftest import REPO
+    run_dir = tmp_path / "run"
+    config = load_config(REPO / "configs" / "teacher-samples.yaml", [
+        f"model={gqa2}", f"run_dir={run_dir}", "budget.tokens=2048", "data.train.teacher_samples.tokens=2500",
+        "data.train.teacher_samples.batch=16", "data.val_fraction=0.2", "data.seq_len=64", "batch.micro_batch=4", "batch.grad_accum=1",
+        "optim.warmup_steps=1", "eval.every=0", "eval.max_batches=2", "log.progress_bar=false", "threads=1"])
+    assert config.data.train.files == [] and config.distill.teacher.endswith("stories260K-mha8")
+    result = train(config)
+    assert math.isfinite(result["val_loss"]) and (run_dir / "model" / "config.json").is_file()
+    assert (run_dir / "held_out.jsonl").is_file()  # validation on held-out samples, written for uptrain.eval

@@ -23,8 +23,6 @@ from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
 from uptrain.train.config import TrainConfig, load_config
 
-PREEMPTED_FILE = "preempted.json"  # see write_preempted_mark
-
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +82,8 @@ def write_preempted_mark(run_dir: Path, record: dict) -> None:
     """run_dir/preempted.json (first process only): the run stopped on a signal and wants to be
     continued (a launcher's own exit code hides the workers' 75: scripts/slurm/uptrain.sbatch reads
     this file to requeue). Written atomically; a launch script removes it before each start."""
+    from uptrain.train.run_state import PREEMPTED_FILE
+
     if os.environ.get("RANK", "0") != "0":
         return
     run_dir.mkdir(parents=True, exist_ok=True)  # a stop during a fresh run's set-up comes before the folder

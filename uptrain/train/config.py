@@ -335,6 +335,18 @@ def _resolve_file_paths(raw: dict, base: Path) -> None:
         node[leaf] = [resolve(v, model_like) for v in value] if isinstance(value, list) else resolve(value, model_like)
 
 
+def yaml_error_line(err: yaml.YAMLError) -> str:
+    """A YAML error in one line with where it is: 'line 7, column 3: expected <block end>, but found
+    '<block mapping start>' (while parsing a block mapping that starts at line 5)'."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return str(err).splitlines()[0]
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    where = f" ({context} that starts at line {start.line + 1})" if context and start is not None else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}{where}"
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML run config, apply `key=value` overrides, validate, return the TrainConfig.
 
@@ -347,7 +359,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise UsageError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
+        raise UsageError(f"{path} is not valid YAML: {yaml_error_line(err)}") from err
     if not isinstance(raw, dict):
         raise UsageError(f"{path} must hold a mapping of config fields")
     _resolve_file_paths(raw, path.resolve().parent)

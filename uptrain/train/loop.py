@@ -38,9 +38,9 @@ from uptrain.train.config import TrainConfig, to_dict
 from uptrain.train.health import StepHealth, TrainingDiverged, check_finite  # noqa: F401 (TrainingDiverged: public here)
 from uptrain.train.eta import EtaTracker, format_eta
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
-from uptrain.train.report import MetricsLog, plot_losses, save_final_model
+from uptrain.train.report import MetricsLog, plot_losses, save_final_model, write_held_out
 from uptrain.train.run_state import (
-    RUN_FILE, check_checkpoint_identity, check_run_dir, checkpoint_state, complete_checkpoints, elastic_grad_accum,
+    PREEMPTED_FILE, RUN_FILE, check_checkpoint_identity, check_run_dir, checkpoint_state, complete_checkpoints, elastic_grad_accum,
     clear_run_dir, load_checkpoint, mark_finished, save_checkpoint,
 )
 from uptrain.train.runtime import check_deepspeed, check_shared_run_dir, deepspeed_facts, make_accelerator
@@ -51,7 +51,7 @@ from uptrain.train.setup import (
     ModelFolders, RunPlan, apply_threads, build_data, check_models, check_validation_size, lr_at, make_optimizer,
     final_model_dtype, plan_run, resolve_models,
 )
-from uptrain.train.teacher_samples import ensure_teacher_samples
+from uptrain.train.teacher_samples import check_samples_budget, ensure_teacher_samples
 from uptrain.errors import UsageError
 from uptrain.train.trainable import (apply_trainable, param_numel, set_trainable, stage_steps, stages_line,
                                      trainable_at, trainable_line)
@@ -163,14 +163,16 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     final_dtype, dtype_line = final_model_dtype(config, folders)
     data_config, samples_line = config, None
     if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
+        check_samples_budget(config, plan.steps * plan.tokens_per_step)
         enter("teacher-samples generation")
         source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator, folders.teacher)
         data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
     set_seed(config.seed)
     enter("data tokenization")
-    train_blocks, val_blocks, n_available, fingerprint = build_data(data_config, tokenizer, plan, accelerator, consumed)
+    data = build_data(data_config, tokenizer, plan, accelerator, consumed)
+    train_blocks, val_blocks, n_available = data.train, data.val, data.n_available
     check_validation_size(config, len(val_blocks))
-    identity = run_identity(config_dict, accelerator.mixed_precision, fingerprint)
+    identity = run_identity(config_dict, accelerator.mixed_precision, data.fingerprint)
     if resume_from is not None:
         check_checkpoint_identity(resume_from, state, identity)
     grace_s, grace_source, grace_warning = stop_grace(config.stop_grace_s, os.environ)
@@ -179,9 +181,12 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
         if config.overwrite:
             clear_run_dir(run_dir, config.log.project)
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # this start continues the stopped run
         tmp = run_dir / f".{RUN_FILE}.tmp"  # whole or absent: a stop signal may come at any moment here
         tmp.write_text(yaml.safe_dump(config_dict, sort_keys=False))
         os.replace(tmp, run_dir / RUN_FILE)
+        if data.held_out is not None:  # the documents validation holds out: what uptrain.eval should score
+            write_held_out(run_dir, data.held_out["text"])
 
     # --- model, optional teacher, optimizer, loader ---
     enter("models loading")

@@ -135,3 +135,17 @@ def save_final_model(accelerator: Accelerator, model, out_dir: Path, source_dir:
             for file in tmp.iterdir():
                 file.chmod(mode)
     accelerator.wait_for_everyone()
+
+
+HELD_OUT_FILE = "held_out.jsonl"  # in run_dir: the documents of data.train held out for validation
+
+
+def write_held_out(run_dir: Path, texts: list[str]) -> Path:
+    """run_dir/held_out.jsonl: the documents held out of the training text (data.val_fraction), one
+    {"text": ...} per line, written whole: `uptrain.eval ... --data RUN/held_out.jsonl` scores the
+    models on text the run never trained on."""
+    path = run_dir / HELD_OUT_FILE
+    tmp = run_dir / f".{HELD_OUT_FILE}.tmp"
+    tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

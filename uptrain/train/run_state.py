@@ -33,7 +33,8 @@ from uptrain.train.preempt import signal_in_checkpoint_hook
 STATE_FILE = "trainer_state.json"
 RUN_FILE = "run.yaml"
 FINISHED_FILE = "finished.json"  # written last by a run that completed its budget
-_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE)
+_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE, "held_out.jsonl")
+PREEMPTED_FILE = "preempted.json"  # the last stop's record for launch scripts (uptrain.train.__main__)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -118,7 +119,7 @@ def mark_finished(run_dir: Path, record: dict) -> None:
 
 def clear_run_dir(run_dir: Path, tracker_dir: str) -> None:
     """Remove a previous run's outputs (only what this trainer writes, incl. `tracker_dir`)."""
-    for name in (*_RUN_OUTPUTS, tracker_dir):
+    for name in (*_RUN_OUTPUTS, PREEMPTED_FILE, tracker_dir):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)

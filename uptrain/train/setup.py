@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import datasets
@@ -78,6 +79,12 @@ def check_models(config: TrainConfig, folders: ModelFolders) -> PreTrainedTokeni
                          f"{config.model} (max_position_embeddings); use data.seq_len<={positions}")
     for value in {config.trainable, *(s.trainable for s in config.trainable_stages)}:
         check_trainable_model(value, student.model_type, config.model)
+    shape = model_shape(student)
+    if shape.kv_heads == shape.heads and shape.heads > 1 and os.environ.get("RANK", "0") == "0":
+        # not a conversion: probably the source itself, given by mistake
+        print(f"warning: model {config.model} has as many K/V heads as query heads ({shape.heads}): it is not a "
+              "GQA conversion; convert it first (python -m uptrain.convert ... --kv-heads K) unless this is "
+              "the MHA control run", flush=True)
     tokenizer = _tokenizer(folders.tokenizer, config.tokenizer or config.model)
     if folders.teacher is not None:
         teacher = _model_config(folders.teacher, config.distill.teacher, "distill.teacher")
@@ -86,9 +93,21 @@ def check_models(config: TrainConfig, folders: ModelFolders) -> PreTrainedTokeni
         if teacher_tok.get_vocab() != tokenizer.get_vocab() or teacher.vocab_size != student.vocab_size:
             raise UsageError(
                 f"teacher {config.distill.teacher} and student {config.model} do not share a tokenizer "
-                f"(vocab {len(teacher_tok)} vs {len(tokenizer)}); distillation needs identical vocabularies"
+                f"({vocab_difference(teacher_tok.get_vocab(), tokenizer.get_vocab(), teacher.vocab_size, student.vocab_size)}); "
+                "distillation needs identical vocabularies: distil from the model you converted"
             )
     return tokenizer
+
+
+def vocab_difference(teacher: dict[str, int], student: dict[str, int], teacher_size: int, student_size: int) -> str:
+    """What differs between two vocabularies (token -> id), in words: sizes, or the first tokens whose
+    ids differ (two vocabularies of one size can map other ids)."""
+    if len(teacher) != len(student) or teacher_size != student_size:
+        return (f"vocabulary of {len(teacher):,} tokens (embedding {teacher_size:,}) vs {len(student):,} "
+                f"(embedding {student_size:,})")
+    differ = sorted(t for t in teacher.keys() | student.keys() if teacher.get(t) != student.get(t))
+    shown = ", ".join(f"{t!r}: {teacher.get(t)} vs {student.get(t)}" for t in differ[:3])
+    return f"both {len(teacher):,} tokens, but {len(differ):,} map to other ids (teacher vs student: {shown})"
 
 
 def final_model_dtype(config: TrainConfig, folders: ModelFolders) -> tuple[torch.dtype, str]:
@@ -183,14 +202,21 @@ def plan_run(config: TrainConfig, world: int) -> RunPlan:
     return RunPlan(total, steps, sequences, per_step)
 
 
+class RunData(NamedTuple):
+    """What `build_data` makes for a run."""
+
+    train: datasets.Dataset | StreamSchedule  # the train blocks for the whole run, in run order
+    val: datasets.Dataset  # validation blocks
+    n_available: int | None  # train blocks available (None: a stream)
+    fingerprint: str | None  # of the training files' content and the tokenizer (None: a Hub dataset,
+    # which the config names): a checkpoint records it, a resume compares it
+    held_out: datasets.Dataset | None  # the documents held out of data.train for validation (None: data.val)
+
+
 def build_data(
     config: TrainConfig, tokenizer, plan: RunPlan, accelerator: Accelerator, skip_blocks: int = 0
-) -> tuple[datasets.Dataset | StreamSchedule, datasets.Dataset, int | None, str | None]:
-    """(train blocks for the whole run, validation blocks, train blocks available or None, the
-    training data's fingerprint or None for a stream).
-
-    The fingerprint is of the training files' content and the tokenizer's (None for a Hub dataset,
-    which the config names): a checkpoint records it, a resume compares it.
+) -> RunData:
+    """The run's data (`RunData`).
 
     The data path of `uptrain.data`, top to bottom: sources -> documents (validation: data.val,
     or a held-out share of the train documents) -> token blocks -> the run's schedule. A whole
@@ -225,8 +251,10 @@ def build_data(
     if d.train.streaming:
         schedule = StreamSchedule(train, n_sequences, config.seed, d.repeat_data, d.shuffle_buffer, skip_blocks,
                                   name=f"the training stream {_name(d.train)}")
-        return schedule, val, None, fingerprint
-    return schedule_blocks(train, n_sequences, config.seed, d.repeat_data), val, len(train), fingerprint
+        return RunData(schedule, val, None, fingerprint, None)
+    held_out = val_docs if d.val is None else None
+    return RunData(schedule_blocks(train, n_sequences, config.seed, d.repeat_data), val, len(train), fingerprint,
+                   held_out)
 
 
 def _name(source: DataSource) -> str:

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig
 from uptrain.data import DataSource, TeacherSamples
+from uptrain.errors import UsageError
 
 FOLDER = "teacher_samples"
 SAMPLES = "samples.jsonl"
@@ -119,8 +120,8 @@ def _generate_batch(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=ts.temperature,
-                             top_p=ts.top_p, top_k=0, max_new_tokens=ts.max_new_tokens, use_cache=True,
-                             pad_token_id=eos, eos_token_id=eos)
+                             top_p=ts.top_p, top_k=0, max_new_tokens=new_tokens_cap(model, ts, width),
+                             use_cache=True, pad_token_id=eos, eos_token_id=eos)
     made = []
     for prompt, row in zip(rows, out[:, width:].tolist()):
         new = row[:row.index(eos) + 1] if eos in row else row  # up to and with the first EOS
@@ -130,6 +131,24 @@ def _generate_batch(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
                  for segment in split_at_bos(prompt + new, start)]
         made.append({"texts": [t for t in texts if t], "new_tokens": len(new)})
     return made
+
+
+def new_tokens_cap(model: torch.nn.Module, ts: TeacherSamples, prompt_width: int) -> int:
+    """ts.max_new_tokens, capped so that prompt + sample stay within the model's positions (a model
+    sampled past its max_position_embeddings writes text it was never trained to write)."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return ts.max_new_tokens if not context else max(1, min(ts.max_new_tokens, context - prompt_width))
+
+
+def check_samples_budget(config: TrainConfig, budget_tokens: int) -> None:
+    """UsageError before any generation when the samples asked for cannot cover the budget without
+    data.repeat_data (the exact check, on the packed blocks, follows the generation)."""
+    ts = config.data.train.teacher_samples
+    if ts is not None and not config.data.repeat_data and ts.tokens < budget_tokens:
+        raise UsageError(
+            f"data.train.teacher_samples.tokens {ts.tokens:,} is below the budget of {budget_tokens:,} tokens: "
+            f"raise it to at least {budget_tokens:,}, or set data.repeat_data=true to train on the samples "
+            "more than once (checked before generating)")
 
 
 def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
@@ -183,7 +202,7 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
             t0 = time.time()
             texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device, chunks)
             seconds = max(time.time() - t0, 1e-9)
-            del teacher
+            teacher_config = teacher.config.get_text_config()
             tmp = folder.parent / f".tmp-{FOLDER}"
             shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash while writing
             tmp.mkdir(parents=True)
@@ -192,7 +211,10 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
                     f.write(json.dumps({"text": text}) + "\n")
             meta = {"config": wanted, "documents": len(texts), "tokens": n_tokens, "seconds": seconds,
                     "samples_per_s": len(texts) / seconds, "tokens_per_s": n_tokens / seconds,
-                    "device": str(accelerator.device), "batches_reused": resumed_from}
+                    "device": str(accelerator.device), "batches_reused": resumed_from,
+                    "context": getattr(teacher_config, "max_position_embeddings", None),
+                    "capped": new_tokens_cap(teacher, ts, 1) < ts.max_new_tokens}
+            del teacher
             (tmp / META).write_text(json.dumps(meta, indent=1))
             shutil.rmtree(folder, ignore_errors=True)  # samples of other settings
             tmp.rename(folder)
@@ -202,5 +224,6 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
     how = "reused from" if reused and accelerator.is_main_process else "generated into"
     line = (f"teacher samples: {meta['documents']:,} documents, {meta['tokens']:,} tokens {how} {folder / SAMPLES}; "
             f"generation {meta['samples_per_s']:.1f} samples/s, {meta['tokens_per_s']:,.0f} tokens/s "
-            f"on {meta['device']} (batch {ts.batch})")
+            f"on {meta['device']} (batch {ts.batch}"
+            + (f"; documents capped at the teacher's {meta['context']} positions" if meta.get("capped") else "") + ")")
     return DataSource(files=[str(folder / SAMPLES)]), line
