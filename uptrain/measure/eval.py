@@ -169,14 +169,20 @@ def read_cli_documents(args: argparse.Namespace) -> list[str]:
 
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
                    dtype: str = "auto", device: str = "cpu") -> list[EvalResult]:
-    """Evaluate each model folder on `texts`, each with its own tokenizer."""
+    """Evaluate each model folder on `texts`, each with its own tokenizer; a line on stderr as each
+    model starts and ends (scoring a large text takes minutes: never silent that long)."""
+    import time
+
     results = []
-    for path in paths:
+    for k, path in enumerate(paths, 1):
+        began = time.monotonic()
+        print(f"scoring model {k}/{len(paths)}: {path} on {len(texts):,} documents ...", file=sys.stderr, flush=True)
         model, tokenizer = load_model(path, dtype, device)
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if limit and max_length > limit:
             raise UsageError(f"{path}: --max-length {max_length} exceeds its max_position_embeddings {limit}")
         results.append(evaluate(model, tokenize_texts(tokenizer, texts), max_length, stride, name=path))
+        print(f"  done in {time.monotonic() - began:.1f} s: loss {results[-1].loss:.4f}", file=sys.stderr, flush=True)
     return results
 
 

@@ -344,7 +344,11 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
         bar.update(1)
         if stats is not None:
             tok_s = tokens_seen / (time.time() - t_start)  # after a host sync: the device work is done
-            bar.set_postfix(loss=f"{stats.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+            # Named as metrics.jsonl names them: with a teacher, `loss` is the distillation mix, so the
+            # bar shows its parts (lm: next-token loss, kd: the KL to the teacher).
+            losses = {"lm": f"{stats.lm:.4f}", "kd": f"{stats.kd:.4f}"} if run.teacher is not None else {
+                "loss": f"{stats.loss:.4f}"}
+            bar.set_postfix(**losses, lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
         # ETA from a moving window of recent step times past the warm-up (uptrain.train.eta); between
         # sync points the host runs ahead of the device, the step at the sync point absorbs the wait
         left = eta.update(time.monotonic(), plan.steps - done)
