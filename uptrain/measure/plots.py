@@ -222,6 +222,32 @@ def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
     return _save(fig, out)
 
 
+def plot_sweep(points: Sequence[Mapping], out: str | Path) -> Figure:
+    """The K/V trade curve (uptrain.sweep): held-out loss against KV-cache bytes per token, one line
+    per method through its counts (each point labelled with its K/V heads), the source's loss as the
+    reference line. `points`: sweep.json's records, the source first."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    source, rest = points[0], points[1:]
+    by_method: dict[str, list[Mapping]] = defaultdict(list)
+    for p in rest:
+        by_method[p["method"]].append(p)
+    for method, series in by_method.items():
+        series = sorted(series, key=lambda p: p["kv_bytes_per_token"])
+        ax.plot([p["kv_bytes_per_token"] for p in series], [p["loss"] for p in series], marker="o", label=method)
+        for p in series:
+            ax.annotate(f"{p['kv_heads']}", (p["kv_bytes_per_token"], p["loss"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+    ax.axhline(source["loss"], color="grey", linestyle="--", label=f"source ({source['kv_heads']} K/V heads)")
+    ax.scatter([source["kv_bytes_per_token"]], [source["loss"]], color="grey", zorder=3)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(binary_size))
+    ax.set(xlabel="KV cache per token (log scale; labels: K/V heads)", ylabel="held-out loss (nats/token)",
+           title="Quality against KV cache")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
 def plot_decode_speed(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
     """Median decode tokens/s vs context length, one line per (model, batch); one bar per (model,
     batch) when every timing is at a single context."""

@@ -1,0 +1,127 @@
+"""uptrain.sweep: the K/V trade curve, scored with uptrain.eval's own code, on the bundled model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
+from uptrain.convert import convert
+from uptrain.errors import UsageError
+from uptrain.measure.eval import main as eval_main
+from uptrain.sweep import Point, main, recommend, sweep_counts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ARGS = ["--data", str(VALID_TXT), "--stories", "4", "--threads", "1"]
+
+
+def _points(out) -> dict[str, dict]:
+    return {p["label"]: p for p in json.loads((out / "sweep.json").read_text())["points"]}
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_the_sweep_scores_as_uptrain_eval_and_its_folders_are_plain_conversions(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main([str(EXAMPLE_MHA8), *ARGS, "--kv-heads", "2,1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    points = _points(out)
+    assert list(points) == ["source", "mean kv2", "mean kv1"]
+    assert (out / "sweep.png").stat().st_size > 0
+    assert "recommended: " in printed or "none of the counts" in printed
+    # uptrain.eval on the same folders and text gives the same numbers
+    subset = tmp_path / "valid4.txt"
+    subset.write_text("\n\n".join(VALID_TXT.read_text().split("\n\n")[:4]))
+    folders = [str(EXAMPLE_MHA8), str(out / "kv2"), str(out / "kv1")]
+    assert eval_main([*folders, "--data", str(subset), "--json", str(tmp_path / "eval.json")]) == 0
+    records = json.loads((tmp_path / "eval.json").read_text())
+    assert [r["loss"] for r in records] == pytest.approx([points[k]["loss"] for k in points], abs=1e-9)
+    # each folder is what a plain `uptrain.convert` with the same settings writes
+    convert(str(EXAMPLE_MHA8), tmp_path / "plain2", 2, "mean")
+    ours, plain = _tensors(out / "kv2"), _tensors(tmp_path / "plain2")
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)
+    # KV bytes: 2 x layers x kv_heads x head_dim x 4 bytes (float32), x the 512-position context
+    assert points["mean kv2"]["kv_bytes_per_token"] == 2 * 5 * 2 * 8 * 4
+    assert points["mean kv2"]["kv_bytes_at_context"] == 2 * 5 * 2 * 8 * 4 * 512
+    assert points["source"]["kv_bytes_per_token"] == 4 * points["mean kv2"]["kv_bytes_per_token"]
+
+
+def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path):
+    out = tmp_path / "sweep"
+    argv = [str(EXAMPLE_MHA8), *ARGS, "--kv-heads", "4,2,1", "--method", "fit", "--calib", str(TRAIN_TXT),
+            "--calib-tokens", "2048", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "uptrain.sweep", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and not ((out / "sweep.json").is_file() and len(_points(out)) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # during the second conversion (or right after the first)
+    proc.communicate(timeout=60)
+    kept = _points(out)
+    assert "fit kv4" in kept
+    for folder in out.iterdir():  # only whole conversions under their own names (partials are hidden)
+        if folder.is_dir() and not folder.name.startswith("."):
+            assert (folder / "config.json").is_file(), folder
+    before = (out / "kv4" / "config.json").stat().st_mtime_ns
+    done = subprocess.run([sys.executable, "-m", "uptrain.sweep", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fit kv4: kept from the earlier run" in done.stdout
+    assert list(_points(out)) == ["source", "fit kv4", "fit kv2", "fit kv1"]
+    assert (out / "kv4" / "config.json").stat().st_mtime_ns == before  # not converted again
+    assert _points(out)["fit kv4"]["settings"]["calib_tokens"] == 2048
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-heads", "3"], "3 does not divide the 8 K/V heads"),
+    (["--kv-heads", "8"], "--kv-heads 8 is not below the source's 8 K/V heads"),
+    (["--kv-heads", "two"], "--kv-heads takes counts like 4,2,1 or all"),
+    (["--calib", str(VALID_TXT), "--method", "fit"], "--calib and --data are the same file"),
+    (["--refine"], "--refine needs --calib FILE"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    out = tmp_path / "sweep"
+    assert main([str(EXAMPLE_MHA8), *ARGS, *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_no_held_out_text_is_refused(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main([str(EXAMPLE_MHA8), "--data", str(empty), "--out", str(tmp_path / "sweep")]) == 2
+    assert "empty.txt" in capsys.readouterr().err and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("heads, kv", [(32, 32), (40, 40), (64, 64), (32, 8), (64, 8), (40, 8), (12, 6)])
+def test_all_counts_are_every_count_below_the_source_that_divides_it(heads, kv):
+    counts = sweep_counts("all", heads, kv, False, "llama")
+    assert counts == sorted((k for k in range(1, kv) if kv % k == 0), reverse=True)
+    for count in counts:
+        assert sweep_counts(str(count), heads, kv, False, "llama") == [count]
+    for bad in (k for k in range(1, kv + 3) if k >= kv or kv % k):
+        with pytest.raises(UsageError):
+            sweep_counts(str(bad), heads, kv, False, "llama")
+    assert sweep_counts("all", heads, kv, True, "falcon") == [1]
+
+
+def _point(kv: int, loss: float) -> Point:
+    return Point(f"fit kv{kv}", "fit", kv, loss, 0.0, 0.0, 0.0, "x", {"source_kv_heads": 8}, 0.0)
+
+
+def test_recommendation_is_the_smallest_count_within_the_bound_or_says_none():
+    points = [_point(4, 2.005), _point(2, 2.03), _point(1, 2.5)]
+    assert recommend(points, 2.0, 0.01).startswith("recommended: 4 K/V heads")
+    assert recommend(points, 2.0, 0.02).startswith("recommended: 2 K/V heads")
+    assert recommend(points, 2.0, 0.3).startswith("recommended: 1 K/V heads")
+    said = recommend(points, 2.0, 0.001)
+    assert said.startswith("none of the counts is within 0.1%") and "closest is 4 K/V heads" in said
