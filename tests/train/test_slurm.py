@@ -1,0 +1,189 @@
+"""scripts/slurm/uptrain.sbatch on a real (one-node) Slurm cluster: preempted, requeued, resumed exactly.
+
+The cluster is brought up on this machine by scripts/slurm/local_cluster.sh (munged, slurmctld and
+slurmd on the loopback address; it installs slurm-wlm and munge with apt-get when missing and it
+may). The template is submitted as a user would, on the tiny stories260K model with two CPU
+processes (accelerate launch --multi_gpu over gloo), stopped by a real Slurm signal, and must
+requeue itself once and finish with the per-step losses of an uninterrupted two-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train_helpers import DEMO, REPO, need_models, tiny_overrides, train_losses
+
+CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
+SBATCH = REPO / "scripts" / "slurm" / "uptrain.sbatch"
+STATE = Path(os.environ.get("UPTRAIN_SLURM_STATE", "/tmp/uptrain-slurm"))
+STEPS = 60  # ~0.1 s a step: long enough that a signal sent at step 2..4 lands well before the end
+PROCS = 2
+
+
+def _args(run_dir: Path, **extra) -> list[str]:
+    # Two processes x micro_batch 4 x grad_accum 1: the same global batch as tiny_overrides' one process.
+    return tiny_overrides(run_dir, steps=STEPS, **{"log.every": 1, "threads": 1, "batch.grad_accum": 1, **extra})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(slurm_conf: str | None = None, **extra) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+    if slurm_conf:
+        env["SLURM_CONF"] = slurm_conf
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """SLURM_CONF of a running one-node cluster (stopped at the end if this fixture started it)."""
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root): run the tests as root")
+    was_up = all((STATE / f"{d}.pid").is_file() and _alive((STATE / f"{d}.pid").read_text()) for d in ("slurmctld", "slurmd"))
+    env = {**os.environ, "UPTRAIN_SLURM_STATE": str(STATE)}
+    up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=900)
+    if up.returncode in (3, 4):  # 3: cannot install slurm-wlm/munge here, 4: a daemon did not start
+        pytest.skip(f"no local Slurm cluster: {up.stderr.strip()[-1500:]}")
+    assert up.returncode == 0, up.stderr
+    conf = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    yield conf
+    if not was_up:
+        subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, timeout=60)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Per-step losses of the same run, uninterrupted, launched the plain way (no Slurm), two processes."""
+    need_models()
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(PROCS),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *_args(run_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def _job(conf: str, job: str) -> dict:
+    """scontrol show job's fields (JobState, Restarts, ...)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], env=_env(conf), capture_output=True, text=True,
+                         timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _wait_for(what: str, check, timeout: float, log: Path, period: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(period)
+    text = log.read_text() if log.exists() else "(no log)"
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; job log:\n{text[-4000:]}")
+
+
+def _logged_steps(run_dir: Path) -> int:
+    try:
+        return max((json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()),
+                   default=0)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def _submit(conf: str, run_dir: Path, log: Path, args: list[str], *sbatch_opts: str, **env) -> str:
+    # What a user types (plus where the log goes), from the repository root; the job inherits the
+    # environment: the CPU fallback of two processes on the node, this Python, a free port.
+    cmd = ["sbatch", "--parsable", f"--output={log}", *sbatch_opts, str(SBATCH), str(DEMO), *args]
+    env = _env(conf, UPTRAIN_PROCS_PER_NODE=str(PROCS), UPTRAIN_PYTHON=sys.executable,
+               UPTRAIN_MAIN_PORT=str(_free_port()), **env)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def _wait_for_requeue(conf: str, job: str, log: Path) -> None:
+    """Until the job has been requeued once (Restarts=1); fails at once if it ended instead."""
+    def requeued():
+        fields = _job(conf, job)
+        if fields.get("JobState") in ENDED and fields.get("Restarts") == "0":
+            raise AssertionError(f"job ended without a requeue: {fields.get('JobState')}, ExitCode "
+                                 f"{fields.get('ExitCode')}; job log:\n{log.read_text()[-4000:]}")
+        return fields.get("Restarts") == "1"
+    _wait_for("the job to requeue itself", requeued, 120, log, period=0.2)
+
+
+def _check_requeued_once_and_exact(conf: str, job: str, run_dir: Path, log: Path, reference: dict) -> None:
+    """The job restarted once, the restart resumed from the stop's checkpoint, and it finished exactly."""
+    _wait_for("the requeued job to end", lambda: _job(conf, job).get("JobState") in ENDED, 150, log, period=0.5)
+    fields, text = _job(conf, job), log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, text[-4000:])
+    stopped = re.findall(r"stopped by SIGUSR1 after step (\d+) of (\d+)", text)
+    assert len(stopped) == 1, text[-4000:]  # said once, by rank 0, in the first start only
+    step = int(stopped[0][0])
+    assert 2 <= step < STEPS, text[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / f'checkpoint-{step:08d}'} at step {step}" in text, text[-4000:]
+    assert "restart 1]: run finished" in text, text[-4000:]
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for s, loss in reference.items():
+        assert losses[s] == pytest.approx(loss, abs=1e-5), s
+    assert not (run_dir / "preempted.json").exists()
+
+
+def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
+    # `scancel --signal=USR1 --batch`: what --signal=B:USR1@GRACE does before the time limit, by hand.
+    # The batch shell traps it and passes it to the step; the run checkpoints, the job requeues itself.
+    k = 3
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    job = _submit(cluster, run_dir, log, _args(run_dir))
+    _wait_for(f"step {k} in metrics.jsonl", lambda: _logged_steps(run_dir) >= k, 180, log)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=_env(cluster), check=True, timeout=30)
+    _wait_for_requeue(cluster, job, log)
+    text = log.read_text()
+    assert "got SIGUSR1: passing SIGUSR1 to the training step" in text, text[-4000:]
+    _check_requeued_once_and_exact(cluster, job, run_dir, log, reference)
+
+
+def test_time_limit_warning_signal_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
+    # The real time-limit path: slurmctld itself sends the header's USR1 (B:USR1@300) once less than
+    # 300 s are left. The job starts without a limit; once the run is in its step-2 checkpoint (held
+    # there 40 s by a test hook, so that slurmctld's 30 s time-limit sweep finds it running), the
+    # limit is cut to 4 min. After the requeue the limit is lifted again (else the restart would be
+    # warned again at once).
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    job = _submit(cluster, run_dir, log, _args(run_dir, **{"checkpoint.every": 2}),
+                  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:40")
+    _wait_for("the step-2 checkpoint write", lambda: (run_dir / "checkpoints" / ".tmp-checkpoint-00000002").is_dir()
+              or _logged_steps(run_dir) > 2, 180, log)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=4"], env=_env(cluster), check=True, timeout=30)
+    _wait_for_requeue(cluster, job, log)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED"], env=_env(cluster), check=True,
+                   timeout=30)
+    assert "got SIGUSR1: passing SIGUSR1 to the training step" in log.read_text()
+    _check_requeued_once_and_exact(cluster, job, run_dir, log, reference)
