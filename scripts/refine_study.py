@@ -61,8 +61,14 @@ def setup(name: str, tmp: Path) -> dict:
 
 def sequences_of(tokenizer, path: Path, tokens: int, window: int) -> list[torch.Tensor]:
     """What `--calib` runs (`calibrate.calibration_sequences`) as tensors, single tokens left out."""
-    seqs, _, _ = calibration_sequences(read_calibration_texts(path), tokenizer, tokens, window)
-    return [torch.tensor(s) for s in seqs if len(s) > 1]
+    return sequences_and_documents(tokenizer, path, tokens, window)[0]
+
+
+def sequences_and_documents(tokenizer, path: Path, tokens: int, window: int) -> tuple[list[torch.Tensor], list[int]]:
+    """`sequences_of` and the document of each (refine holds out whole documents, as the converter does)."""
+    seqs, documents, _, _ = calibration_sequences(read_calibration_texts(path), tokenizer, tokens, window)
+    kept = [(torch.tensor(s), d) for s, d in zip(seqs, documents) if len(s) > 1]
+    return [s for s, _ in kept], [d for _, d in kept]
 
 
 def loss(model, tokenizer, s: dict) -> float:
@@ -134,7 +140,7 @@ def main() -> None:
         base = loss(original, tokenizer, s)
         print(f"original {base:.4f}", flush=True)
         window = min(2048, original.config.max_position_embeddings)
-        seqs = sequences_of(tokenizer, s["calib"], args.calib_tokens, window)
+        seqs, documents = sequences_and_documents(tokenizer, s["calib"], args.calib_tokens, window)
         print(f"calibration: {len(seqs)} sequences, {sum(len(x) for x in seqs)} tokens", flush=True)
         calibration = Calibration(s["calib"], args.calib_tokens, args.device)
         for kv in args.kv:
@@ -154,7 +160,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     results = refine_model(original, converted, seqs, inputs=inputs, steps=steps, lr=lr, batch=batch,
                                            holdout_fraction=args.holdout, patience=args.patience,
-                                           eval_every=args.eval_every, seed=args.seed,
+                                           eval_every=args.eval_every, seed=args.seed, documents=documents,
                                            log=lambda m: print("  " + m, flush=True))
                     seconds = time.perf_counter() - t0
                     refined = loss(converted, tokenizer, s)

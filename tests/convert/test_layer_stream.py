@@ -136,7 +136,7 @@ def test_layer_state_holds_the_attention_inputs(tmp_path, one_torch_thread):
     from uptrain.convert.calibrate import calibration_sequences, read_calibration_texts
     from uptrain.convert.refine import capture
 
-    sequences, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), AutoTokenizer.from_pretrained(folder),
+    sequences, _, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), AutoTokenizer.from_pretrained(folder),
                                             600, 512)
     whole = capture(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
                     [torch.tensor(x) for x in sequences], layers=[1])[1]

@@ -18,10 +18,12 @@ from uptrain.measure.eval import evaluate, tokenize_texts
 FAST = dict(steps=40, eval_every=10, patience=2, batch=4, lr=3e-3)
 
 
-def _sequences(tokenizer, path, tokens: int, window: int = 256) -> list[torch.Tensor]:
-    """What `--calib` runs (`calibrate.calibration_sequences`) as tensors, single tokens left out."""
-    seqs, _, _ = calibration_sequences(read_calibration_texts(path), tokenizer, tokens, window)
-    return [torch.tensor(s) for s in seqs if len(s) > 1]
+def _sequences(tokenizer, path, tokens: int, window: int = 256) -> tuple[list[torch.Tensor], list[int]]:
+    """What `--calib` runs (`calibrate.calibration_sequences`) as tensors, single tokens left out,
+    and the document of each (refine holds out whole documents)."""
+    seqs, documents, _, _ = calibration_sequences(read_calibration_texts(path), tokenizer, tokens, window)
+    kept = [(torch.tensor(s), d) for s, d in zip(seqs, documents) if len(s) > 1]
+    return [s for s, _ in kept], [d for _, d in kept]
 
 
 def _random_sequences(vocab: int, n: int = 12, length: int = 24, seed: int = 0) -> list[torch.Tensor]:
@@ -40,7 +42,8 @@ def test_refine_lowers_layer_errors_and_held_out_loss_on_stories260k(tmp_path, o
     def loss(model):
         return evaluate(model, tokenize_texts(tokenizer, texts), 512, 256).loss
     start = loss(converted)
-    results = refine_model(original, converted, _sequences(tokenizer, TRAIN_TXT, 1536), **{**FAST, "steps": 30})
+    seqs, documents = _sequences(tokenizer, TRAIN_TXT, 1536)
+    results = refine_model(original, converted, seqs, documents=documents, **{**FAST, "steps": 30})
     after = loss(converted)
     print("errors", [(round(r.error_before, 4), round(r.error_after, 4)) for r in results], f"loss {start:.4f} -> {after:.4f}")
     assert len(results) == 5
@@ -57,7 +60,8 @@ def test_refine_keeps_an_exact_start_exact(tmp_path, one_torch_thread):
     original, converted = load(EXAMPLE_MHA8), load(tmp_path / "kv4")
     before = {k: v.clone() for k, v in converted.state_dict().items()}
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
-    results = refine_model(original, converted, _sequences(tokenizer, TRAIN_TXT, 1024), **FAST)
+    seqs, documents = _sequences(tokenizer, TRAIN_TXT, 1024)
+    results = refine_model(original, converted, seqs, documents=documents, **FAST)
     for r in results:
         assert r.error_before < 1e-9 and r.error_after <= r.error_before
     for k, v in converted.state_dict().items():

@@ -57,8 +57,8 @@ def test_streamed_refine_equals_the_in_memory_refine(stories, one_torch_thread):
     (the fit+calib output as the start): the same refined weights, to float tolerance."""
     original, converted = load(EXAMPLE_MHA8), load(stories["fit"])
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
-    sequences, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, TOKENS, 512)
-    results = refine_model(original, converted, [torch.tensor(s) for s in sequences], steps=STEPS)
+    sequences, documents, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, TOKENS, 512)
+    results = refine_model(original, converted, [torch.tensor(s) for s in sequences], steps=STEPS, documents=documents)
     layers = _record(stories["refined"])["refinement"]["layers"]
     for r, x in zip(results, layers):
         assert r.steps_run == x["steps_run"]
@@ -77,9 +77,9 @@ def test_converted_inputs_equal_the_in_memory_refine(stories, tmp_path, one_torc
                  str(STEPS), "--refine-inputs", "converted", "--out", str(out)]) == 0
     original, converted = load(EXAMPLE_MHA8), load(stories["fit"])
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
-    sequences, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, TOKENS, 512)
+    sequences, documents, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, TOKENS, 512)
     results = refine_model(original, converted, [torch.tensor(s) for s in sequences], inputs="converted",
-                           steps=STEPS)
+                           steps=STEPS, documents=documents)
     layers = _record(out)["refinement"]["layers"]
     assert _record(out)["refinement"]["inputs"] == "converted"
     for r, x in zip(results, layers):

@@ -53,22 +53,38 @@ def read_calibration_texts(path: Path, text_unit: str = DataSource.text_unit) ->
 
 
 def calibration_sequences(texts: list[str], tokenizer: Any, tokens: int, window: int
-                          ) -> tuple[list[list[int]], int, int]:
-    """The forward passes of a calibration: token-id sequences, tokens used, documents used.
+                          ) -> tuple[list[list[int]], list[int], int, int]:
+    """The forward passes of a calibration: (token-id sequences, the document each came from
+    (an index into `texts`), tokens used, documents used).
 
     Each document is tokenized alone and cut to the tokens still wanted, then into windows of at
     most `window` tokens; documents are taken in order until `tokens` are used.
     """
     sequences: list[list[int]] = []
+    document_of: list[int] = []
     used = docs = 0
-    for text in texts:
+    for d, text in enumerate(texts):
         ids = tokenizer(text)["input_ids"][: tokens - used]
-        sequences += [ids[begin:begin + window] for begin in range(0, len(ids), window)]
+        windows = [ids[begin:begin + window] for begin in range(0, len(ids), window)]
+        sequences += windows
+        document_of += [d] * len(windows)
         used += len(ids)
         docs += 1
         if used >= tokens:
             break
-    return sequences, used, docs
+    return sequences, document_of, used, docs
+
+
+def check_device(device: str) -> None:
+    """UsageError (one line) where torch cannot place a tensor on `device` ('cuda' on a CPU-only torch, 'cdua')."""
+    import torch
+
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise UsageError(f"--device {device!r} is not usable here: {first}; pass --device cpu or a device "
+                         f"this torch has") from None
 
 
 @torch.no_grad()
@@ -120,12 +136,14 @@ class Calibration:
     _stream: LayerStream | None = field(default=None, repr=False)
     _started: bool = field(default=False, repr=False)
     _model_dir: Path | None = field(default=None, repr=False)
+    _windows: tuple | None = field(default=None, repr=False)  # calibration_sequences' answer, once
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise UsageError(f"--calib-tokens must be positive, got {self.tokens}")
         self.path = Path(self.path)
         read_calibration_texts(self.path, self.text_unit)  # fail now, before any work
+        check_device(self.device)
         self.record.update(file=str(self.path), text_unit=self.text_unit, tokens_requested=self.tokens,
                            device=self.device)
 
@@ -211,21 +229,33 @@ class Calibration:
         current = self._stream.current if self._stream is not None else None
         return current if current is not None and current.index == self._index(layer) else None
 
+    def windows(self) -> tuple[list[list[int]], list[int], int, int]:
+        """`calibration_sequences` of the bound model's tokenizer and window (computed once): the
+        token ids of each forward pass, its document, tokens used, documents used."""
+        if self._windows is None:
+            from transformers import AutoConfig, AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+            config = AutoConfig.from_pretrained(self._model_dir)
+            window = min(WINDOW, getattr(config.get_text_config(), "max_position_embeddings", None) or WINDOW)
+            self._windows = calibration_sequences(read_calibration_texts(self.path, self.text_unit), tokenizer,
+                                                  self.tokens, window)
+        return self._windows
+
+    @property
+    def documents(self) -> list[int]:
+        """The document of each calibration sequence (in the stream's order)."""
+        return self.windows()[1]
+
     @torch.no_grad()
     def _start(self) -> None:
         """Tokenize, then open the layer stream (or, where it cannot stream, run the whole model)."""
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         start = time.perf_counter()
-        try:
-            torch.empty(0, device=self.device)
-        except (RuntimeError, AssertionError) as err:
-            raise UsageError(f"--device {self.device!r} is not usable here: {str(err).splitlines()[0]}") from None
         self._started = True
-        tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        sequences, _, used, docs = self.windows()
         config = AutoConfig.from_pretrained(self._model_dir)
-        window = min(WINDOW, getattr(config.get_text_config(), "max_position_embeddings", None) or WINDOW)
-        sequences, used, docs = calibration_sequences(read_calibration_texts(self.path, self.text_unit), tokenizer, self.tokens, window)
         self.record.update(tokens_used=used, documents=docs)
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,

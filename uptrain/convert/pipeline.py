@@ -23,7 +23,7 @@ import torch
 
 from uptrain.convert.calibrate import Calibration
 from uptrain.convert.layerwise import describe_layerwise, fit_refusal, layerwise_settings
-from uptrain.convert.refine_layer import LayerRefiner, RefineSettings, check_refine, estimate
+from uptrain.convert.refine_layer import LayerRefiner, RefineSettings, check_refine
 from uptrain.convert.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
@@ -128,8 +128,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     if refiner is not None:
         text = source.config.get("text_config") or source.config
         refiner.record.update(start=start_method, requested_method=method,
-                              **estimate(dims, calibration.tokens, int(text.get("hidden_size", dims.heads * dims.head_dim)),
-                                         refine, kv_heads))
+                              **refiner.plan(dims, int(text.get("hidden_size", dims.heads * dims.head_dim)), kv_heads))
         plan.refinement = refiner.record  # the same dict: per-layer errors appear as layers are written
         if start_note:
             plan.notes.append(start_note)

@@ -112,6 +112,37 @@ def cache_change(plan: ConversionPlan) -> str:
     return f"{plan.kv_reduction:.1f}x smaller"
 
 
+def human_seconds(s: float) -> str:
+    """12.3 -> '12.3 s', 750 -> '12.5 min', 360000 -> '100 h'."""
+    if s < 60:
+        return f"{s:.3g} s"
+    return f"{s / 60:.3g} min" if s < 3600 else f"{s / 3600:,.3g} h" if s < 360000 else f"{s / 3600:,.0f} h"
+
+
+def refine_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The plan's rows on what a refinement holds out and how long it may take (`refine_layer.LayerRefiner.plan`)."""
+    rows = []
+    held = r.get("held_out")
+    if held:
+        rows.append(("held out", f"{held['tokens']:,} of {held['of_tokens']:,} calibration tokens "
+                                 f"({held['documents']} of {held['of_documents']} documents, {held['sequences']} "
+                                 f"sequences; split by {held['by']}), never trained on: the stop rule's test"))
+        if held["too_small"]:
+            rows.append(("note", f"only {held['tokens']:,} tokens held out, under the {held['min_tokens']:,} a "
+                                 f"reliable stop needs: the calibration text is too small; give a larger "
+                                 f"--calib-tokens or a --calib file with more documents"))
+    probe = r.get("probe")
+    if probe and "not_measured" in probe:
+        rows.append(("refine time", f"not measured ({probe['not_measured']}); at most {r['steps']} steps x "
+                                    f"{probe['layers']} layers"))
+    elif probe:
+        rows.append(("refine time", f"at most {r['steps']} steps x {probe['layers']} layers at "
+                                    f"{probe['seconds_per_step']:.3g} s/step measured on {probe['device']} = up to "
+                                    f"{human_seconds(probe['seconds_at_most'])} (early stopping usually ends sooner)"
+                                    + ("; on a GPU: --device cuda" if probe["device"] == "cpu" else "")))
+    return rows
+
+
 def format_plan(plan: ConversionPlan) -> str:
     """A human-readable table of the plan."""
     d = plan.dims
@@ -142,8 +173,8 @@ def format_plan(plan: ConversionPlan) -> str:
         rows.append(("refine", f"from {r['start']}: Adam on each layer's attention output, at most {r['steps']} "
                                f"steps (batch {r['batch']} sequences, lr {r['lr']:g} x weight RMS, held-out stop), "
                                f"{r['inputs']} inputs; memory ~{human_bytes(r['memory_bytes'])} beyond the "
-                               f"calibration's; time: up to {r['optimizer_steps_at_most']:,} optimizer steps in all "
-                               f"(stories260K: ~10-18 s per layer on one CPU thread, results/refine.md)"))
+                               f"calibration's"))
+        rows += refine_rows(r)
         done = r.get("layers") or []
         if done:
             rows.append(("refined", ", ".join(f"{x['error_before']:.3f}->{x['error_after']:.3f}" for x in done)

@@ -11,14 +11,18 @@ weights and biases and the attention's own norms where it has them (q_norm/k_nor
 Loss: squared error of the outputs relative to the targets' power, summed over the sequences of a
 mini-batch (gradient accumulation: sequences of different lengths, no padding). Adam, with each
 parameter's learning rate `lr` times the RMS of its start value (a bias takes its weight's RMS), so
-one `lr` suits weights of any scale. Stopping: the error on a held-out slice of the sequences is
-measured every `eval_every` steps; the best held-out state is kept, and training stops after
-`patience` measurements without an improvement. A start that is already exact (held-out error
-below `atol`) is returned unchanged.
+one `lr` suits weights of any scale. Stopping: the error on held-out sequences is measured every
+`eval_every` steps. Whole documents are held out (`split_held_out`: windows of one document are
+alike, so a document on both sides would let the held-out error follow the training error), at
+least `min_holdout_tokens` tokens where the text allows, at most half. The best held-out state is
+kept (put back at the end), and training stops after `patience` measurements without an
+improvement. A start that is already exact (held-out error below `atol`) is returned unchanged.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ STEPS = 1200  # a cap: the held-out rule stopped 2 of 5 stories260K MQA layers a
 LR = 1e-2
 BATCH = 4
 HOLDOUT = 0.125
+MIN_HOLDOUT_TOKENS = 4096  # held out at least (where the text has twice that): a stop rule on fewer is noise
 PATIENCE = 4
 EVAL_EVERY = 20
 MIN_DELTA = 1e-3  # relative improvement of the held-out error that counts as one
@@ -54,6 +59,10 @@ class RefineResult:
     best_step: int  # the step whose state was kept (0: the start)
     stopped_early: bool
     seconds: float
+    held_out: list[int]  # indices of the held-out sequences (never trained on)
+    held_out_tokens: int
+    held_out_documents: int
+    history: list[tuple[int, float]]  # (step, held-out error) of every measurement after the start
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return dict(self.__dict__)
@@ -71,6 +80,66 @@ def relative_error(student: nn.Module, call: AttentionCall, inputs: Sequence[Ten
     return err / max(power, 1e-30)
 
 
+def split_held_out(lengths: Sequence[int], documents: Sequence[int], fraction: float, min_tokens: int,
+                   seed: int) -> tuple[list[int], list[int]]:
+    """Which sequences are held out (the stop rule's test) and which are trained on: (held, train).
+
+    lengths[i]: tokens of sequence i (>= 1); documents[i]: the document it was cut from. Whole
+    documents are held out, in a seeded order, until the held-out tokens reach the target
+    max(fraction x total, min_tokens), never more than half the tokens (total // 2): no document
+    has windows on both sides, and both sides keep at least one document. Where the seeded order
+    overshoots the cap but some set of documents reaches the target under it, that set is found
+    (subset sum). One document only: a contiguous tail of its windows (at least one, at least one
+    left). Both lists in increasing index order; the same for the same inputs and seed.
+    """
+    n = len(lengths)
+    if n != len(documents) or n < 2 or min(lengths) < 1 or not 0 < fraction < 1:
+        raise ValueError(f"split_held_out needs >= 2 sequences of >= 1 token, one document each, and "
+                         f"0 < fraction < 1; got {n} lengths, {len(documents)} documents, fraction {fraction}")
+    total = sum(lengths)
+    target, cap = max(math.ceil(fraction * total), min_tokens), total // 2
+    by_doc: dict[int, list[int]] = {}
+    for i, d in enumerate(documents):
+        by_doc.setdefault(d, []).append(i)
+    if len(by_doc) == 1:  # no second document: the tail windows, adjacent to the trained ones
+        held = [n - 1]
+        while len(held) < n - 1 and sum(lengths[i] for i in held) < target \
+                and sum(lengths[i] for i in held) + lengths[held[0] - 1] <= cap:
+            held.insert(0, held[0] - 1)
+        return held, list(range(held[0]))
+    docs = list(by_doc)
+    random.Random(seed).shuffle(docs)
+    size = {d: sum(lengths[i] for i in by_doc[d]) for d in docs}
+    chosen, held_tokens = [], 0
+    for d in docs:  # greedy in the seeded order, skipping documents that would pass the cap
+        if held_tokens < target and held_tokens + size[d] <= cap:
+            chosen.append(d)
+            held_tokens += size[d]
+    if held_tokens < target:  # the order overshot: the smallest subset sum >= target under the cap, if any
+        chosen = _subset_sum([size[d] for d in docs], target, cap, [docs.index(d) for d in chosen])
+        chosen = [docs[j] for j in chosen]
+    held = sorted(i for d in chosen for i in by_doc[d])
+    out = set(held)
+    return held, [i for i in range(n) if i not in out]
+
+
+def _subset_sum(sizes: list[int], target: int, cap: int, fallback: list[int]) -> list[int]:
+    """Indices of `sizes` whose sum is the smallest in [target, cap]; `fallback` where none is."""
+    reach = [1]  # reach[k]: bitset of the sums the first k sizes can make
+    mask = (1 << (cap + 1)) - 1
+    for s in sizes:
+        reach.append((reach[-1] | (reach[-1] << s)) & mask)
+    best = next((t for t in range(target, cap + 1) if reach[-1] >> t & 1), None)
+    if best is None:
+        return fallback
+    picked = []
+    for k in range(len(sizes), 0, -1):  # walk back: keep size k-1 where the sum needs it
+        if not reach[k - 1] >> best & 1:
+            picked.append(k - 1)
+            best -= sizes[k - 1]
+    return sorted(picked)
+
+
 def _param_groups(student: nn.Module, lr: float) -> list[dict]:
     """One Adam group per parameter, lr scaled by the RMS of its start value (biases: their weight's)."""
     named = dict(student.named_parameters())
@@ -85,12 +154,15 @@ def _param_groups(student: nn.Module, lr: float) -> list[dict]:
 def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], targets: Sequence[Tensor],
                      *, steps: int = STEPS, lr: float = LR, batch: int = BATCH, holdout_fraction: float = HOLDOUT,
                      patience: int = PATIENCE, eval_every: int = EVAL_EVERY, seed: int = 0,
-                     min_delta: float = MIN_DELTA, atol: float = ATOL) -> RefineResult:
+                     min_delta: float = MIN_DELTA, atol: float = ATOL, documents: Sequence[int] | None = None,
+                     min_holdout_tokens: int = MIN_HOLDOUT_TOKENS) -> RefineResult:
     """Tune `student`'s parameters in place so that call(student, inputs[i], i) ≈ targets[i].
 
     inputs[i]: [T_i, D] attention-module input of calibration sequence i (after the layer's input
     norm); targets[i]: [T_i, D_out] the original attention module's output on it. Both on the
-    student's device. At least 2 sequences (one is held out). Returns the errors before and after.
+    student's device. At least 2 sequences (one is held out). documents[i]: the document sequence i
+    was cut from (default: each its own), so that `split_held_out` holds out whole documents.
+    Returns the errors before and after.
     """
     n = len(inputs)
     if n != len(targets) or n < 2:
@@ -99,15 +171,16 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
         raise ValueError("refine needs steps >= 0, lr > 0, batch >= 1 and 0 < holdout_fraction < 1")
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(n, generator=gen).tolist()
-    n_hold = min(n - 1, max(1, round(n * holdout_fraction)))
-    held, train = order[:n_hold], order[n_hold:]
+    documents = list(range(n)) if documents is None else list(documents)
+    lengths = [int(x.shape[0]) for x in inputs]
+    held, train = split_held_out(lengths, documents, holdout_fraction, min_holdout_tokens, seed)
     was_training = student.training
     student.eval()  # no dropout: the target is the deterministic original output
     params = dict(student.named_parameters())
     before_h = relative_error(student, call, inputs, targets, held)
     before_t = relative_error(student, call, inputs, targets, train)
     best, best_step, bad, stopped, step = before_h, 0, 0, False, 0
+    history: list[tuple[int, float]] = []
     best_state = {k: p.detach().clone() for k, p in params.items()}
     if before_h > atol and steps > 0:
         opt = torch.optim.Adam(_param_groups(student, lr))
@@ -123,6 +196,7 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
             opt.step()
             if step % eval_every == 0 or step == steps:
                 err = relative_error(student, call, inputs, targets, held)
+                history.append((step, err))
                 if err < best - max(min_delta * best, atol):
                     best, best_step, bad = err, step, 0
                     best_state = {k: p.detach().clone() for k, p in params.items()}
@@ -137,7 +211,8 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
     after_t = relative_error(student, call, inputs, targets, train)
     student.train(was_training)
     return RefineResult(before_h, best, before_t, after_t, step, best_step, stopped,
-                        round(time.perf_counter() - start, 3))
+                        round(time.perf_counter() - start, 3), held, sum(lengths[i] for i in held),
+                        len({documents[i] for i in held}), history)
 
 
 # ------------------------------------------------------------------ whole models in memory

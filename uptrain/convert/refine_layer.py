@@ -88,6 +88,76 @@ def estimate(dims, tokens: int, hidden: int, settings: RefineSettings, new_kv: i
             "memory_bytes": memory, "optimizer_steps_at_most": settings.steps * dims.layers}
 
 
+def plan_held_out(lengths: list[int], documents: list[int], seed: int) -> dict[str, Any]:
+    """What the refinement will hold out of calibration windows of `lengths` tokens cut from
+    `documents` (`refine.split_held_out` with the defaults): for the record and the plan."""
+    held, _ = refine.split_held_out(lengths, documents, refine.HOLDOUT, refine.MIN_HOLDOUT_TOKENS, seed)
+    tokens = sum(lengths[i] for i in held)
+    return {"tokens": tokens, "documents": len({documents[i] for i in held}), "sequences": len(held),
+            "of_tokens": sum(lengths), "of_documents": len(set(documents)), "min_tokens": refine.MIN_HOLDOUT_TOKENS,
+            "by": "document" if len(set(documents)) > 1 else "tail windows of the only document",
+            "too_small": tokens < refine.MIN_HOLDOUT_TOKENS}
+
+
+def _probe_student(config: Any, device: torch.device) -> tuple[nn.Module, nn.Module | None]:
+    """An attention module of the converted family and shape (random weights, float32, on `device`)
+    and the model's rotary embedding module (None where the attention has its own), built like
+    `_student`: the class of a decoder layer's attention of a one-layer model made on `meta`."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    attention = refine.attention_modules(model)[0]
+    with torch.device(device):
+        student = type(attention)(model.config, layer_idx=0).to(device, torch.float32)
+        rotary = next((type(m)(config=model.config) for name, m in model.named_modules()
+                       if name.endswith("rotary_emb")), None)
+    return student, rotary
+
+
+def probe_seconds_per_step(config: Any, length: int, batch: int, device: str, steps: int = 3,
+                           budget_s: float = 1.0) -> float:
+    """Seconds one refine step (`batch` sequences of `length` tokens, forward, backward, Adam) takes
+    on `device`, measured: after one warm-up step, up to `steps` steps of ONE sequence each (fewer
+    once `budget_s` is spent), times `batch` (so the Adam update is counted `batch` times: an
+    upper bound). config: the converted model's text config; random inputs x [length, hidden]."""
+    import inspect
+
+    dev = torch.device(device)
+    student, rotary = _probe_student(config, dev)
+    hidden = int(config.hidden_size)
+    x = torch.randn(1, length, hidden, device=dev)
+    kwargs: dict[str, Any] = {"attention_mask": None}
+    wanted = inspect.signature(student.forward).parameters
+    position_ids = torch.arange(length, device=dev)[None]
+    if rotary is not None and "position_embeddings" in wanted:
+        extra = {}  # Gemma 3, OLMo-3: one rotary module, frequencies per layer type
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            extra["layer_type"] = (getattr(config, "layer_types", None) or ["full_attention"])[0]
+        with torch.no_grad():
+            kwargs["position_embeddings"] = rotary(x, position_ids, **extra)
+    if "position_ids" in wanted:
+        kwargs["position_ids"] = position_ids
+    opt = torch.optim.Adam(student.parameters(), lr=1e-6)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = student(hidden_states=x, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+        opt.step()
+        if dev.type != "cpu":
+            getattr(torch, dev.type).synchronize()
+    step()  # warm-up: allocation, kernel choice
+    times: list[float] = []
+    while len(times) < steps and sum(times) < budget_s:
+        began = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - began)
+    return batch * sum(times) / len(times)
+
+
 def _student(state, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
     """The family's attention class with the converted config, float32, holding `start`."""
     config = copy.deepcopy(config)
@@ -175,6 +245,26 @@ class LayerRefiner:
     calibration: Any  # the bound `calibrate.Calibration` (keep_attention_inputs=True)
     record: dict[str, Any] = field(default_factory=dict)  # the plan's `refinement`, filled layer by layer
 
+    def plan(self, dims, hidden: int, new_kv: int) -> dict[str, Any]:
+        """The plan's `refinement` before any layer: `estimate`, what will be held out (the calibration
+        is tokenized now) and the measured seconds per step (`probe_seconds_per_step`). UsageError
+        where the calibration gives fewer than 2 sequences."""
+        sequences, documents, _, _ = self.calibration.windows()
+        if len(sequences) < 2:
+            raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
+                             f"{len(sequences)}; raise --calib-tokens or use more documents")
+        lengths = [len(s) for s in sequences]
+        device = self.calibration.device
+        length = max(lengths)  # the calibration window, or the longest piece of a shorter text
+        try:
+            seconds = probe_seconds_per_step(self.config, length, refine.BATCH, device)
+            probe = {"seconds_per_step": seconds, "seconds_at_most": seconds * self.settings.steps * dims.layers}
+        except (RuntimeError, TypeError, ValueError, AttributeError) as err:  # a family the probe cannot build
+            probe = {"not_measured": " ".join(str(err).split())[:200] or type(err).__name__}
+        return {**estimate(dims, self.calibration.tokens, hidden, self.settings, new_kv),
+                "held_out": plan_held_out(lengths, documents, self.settings.seed),
+                "probe": {**probe, "device": str(device), "sequence_tokens": length, "layers": dims.layers}}
+
     def __call__(self, layer: str, start: dict[str, Tensor]) -> dict[str, Tensor]:
         began = time.perf_counter()
         state = self.calibration.state(layer)
@@ -202,7 +292,8 @@ class LayerRefiner:
         else:  # the same, recorded as the calibration ran it (its matrices are freed since)
             targets = [y.to(device) for y in state.attention_outputs]
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
-                                         lr=self.settings.lr, seed=self.settings.seed)
+                                         lr=self.settings.lr, seed=self.settings.seed,
+                                         documents=self.calibration.documents)
         if converted:
             _advance_converted(state, student, stream.converted, stream.kwargs, stream.projections[state.index])
         params = dict(student.named_parameters())
