@@ -133,24 +133,7 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
         shard.check_compile(accelerator.device.type)
     check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
     resume_from = check_run_dir(run_dir, to_dict(config), config.resume, config.overwrite)
-    consumed, elastic_line, state = 0, None, {}
-    if resume_from is not None:
-        state = checkpoint_state(resume_from)
-        # The settings first (before any data is read); the data's fingerprint once it is known, below.
-        recorded_data = (state.get("identity") or {}).get("data_fingerprint")
-        check_checkpoint_identity(resume_from, state, run_identity(to_dict(config), accelerator.mixed_precision,
-                                                                   recorded_data))
-        # Elastic resume: on another process count, grad_accum keeps the checkpoint's global batch.
-        accum = elastic_grad_accum(resume_from, state, world, config.batch.micro_batch, config.batch.grad_accum)
-        if accum != config.batch.grad_accum:
-            written = state.get("processes", "?")
-            elastic_line = (f"checkpoint written by {written} process{'es' * (written != 1)}, resumed on {world}: "
-                            f"grad_accum {config.batch.grad_accum} -> {accum} keeps the global batch of "
-                            f"{accum * world * config.batch.micro_batch} sequences")
-            config = dataclasses.replace(config, batch=dataclasses.replace(config.batch, grad_accum=accum))
-        # A streaming source cannot skip batches in the loader: the stream itself starts after
-        # the blocks the interrupted run consumed (the checkpoint's data position).
-        consumed = state["samples"]
+    config, state, lines = _resume_checks(config, resume_from, accelerator)
     plan = plan_run(config, world)
     ranges = []
     if config.trainable_stages:
@@ -161,35 +144,82 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     folders = resolve_models(config)
     tokenizer = check_models(config, folders)
     final_dtype, dtype_line = final_model_dtype(config, folders)
-    data_config, samples_line = config, None
+    data_config = config
     if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
         check_samples_budget(config, plan.steps * plan.tokens_per_step)
         enter("teacher-samples generation")
         source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator, folders.teacher)
         data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
+        lines.append(samples_line)
     set_seed(config.seed)
     enter("data tokenization")
-    data = build_data(data_config, tokenizer, plan, accelerator, consumed)
-    train_blocks, val_blocks, n_available = data.train, data.val, data.n_available
-    check_validation_size(config, len(val_blocks))
+    data = build_data(data_config, tokenizer, plan, accelerator, state.get("samples", 0))
+    check_validation_size(config, len(data.val))
     identity = run_identity(config_dict, accelerator.mixed_precision, data.fingerprint)
     if resume_from is not None:
         check_checkpoint_identity(resume_from, state, identity)
     grace_s, grace_source, grace_warning = stop_grace(config.stop_grace_s, os.environ)
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:
-        if config.overwrite:
-            clear_run_dir(run_dir, config.log.project)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # this start continues the stopped run
-        tmp = run_dir / f".{RUN_FILE}.tmp"  # whole or absent: a stop signal may come at any moment here
-        tmp.write_text(yaml.safe_dump(config_dict, sort_keys=False))
-        os.replace(tmp, run_dir / RUN_FILE)
-        if data.held_out is not None:  # the documents validation holds out: what uptrain.eval should score
-            write_held_out(run_dir, data.held_out["text"])
+        _write_run_folder(config, run_dir, config_dict, data.held_out)
 
     # --- model, optional teacher, optimizer, loader ---
     enter("models loading")
+    model, teacher, optimizer, loader = _build_training(config, folders, accelerator, data.train)
+    n_params = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters())
+    n_trained = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
+    accelerator.print(plan.describe(data_config, world, n_params, data.n_available, len(data.val)))
+    for line in [*lines, dtype_line, trainable_line(config.trainable, n_trained, n_params),
+                 *([stages_line(ranges)] if ranges else []), grace_line(grace_s, grace_source),
+                 *([grace_warning] if grace_warning else [])]:
+        accelerator.print(line)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
+    return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, data.val,
+               model, teacher, optimizer, loader, metrics, folders, final_dtype, ranges, identity,
+               grace_s, state.get("write_s"))
+
+
+def _resume_checks(config: TrainConfig, resume_from: Path | None,
+                   accelerator: Accelerator) -> tuple[TrainConfig, dict, list[str]]:
+    """(config, the checkpoint's trainer state or {}, lines for the plan) of a run that may resume.
+
+    The checkpoint's recorded identity is compared with the settings first (before any data is
+    read; the data's fingerprint once it is known, in setup_run). Elastic resume: on another
+    process count, grad_accum keeps the checkpoint's global batch (the returned config has it)."""
+    if resume_from is None:
+        return config, {}, []
+    world = accelerator.num_processes
+    state = checkpoint_state(resume_from)
+    recorded_data = (state.get("identity") or {}).get("data_fingerprint")
+    check_checkpoint_identity(resume_from, state, run_identity(to_dict(config), accelerator.mixed_precision,
+                                                               recorded_data))
+    accum = elastic_grad_accum(resume_from, state, world, config.batch.micro_batch, config.batch.grad_accum)
+    if accum == config.batch.grad_accum:
+        return config, state, []
+    written = state.get("processes", "?")
+    line = (f"checkpoint written by {written} process{'es' * (written != 1)}, resumed on {world}: "
+            f"grad_accum {config.batch.grad_accum} -> {accum} keeps the global batch of "
+            f"{accum * world * config.batch.micro_batch} sequences")
+    return dataclasses.replace(config, batch=dataclasses.replace(config.batch, grad_accum=accum)), state, [line]
+
+
+def _write_run_folder(config: TrainConfig, run_dir: Path, config_dict: dict, held_out) -> None:
+    """The run folder as this start begins it (main process): cleared with overwrite, run.yaml
+    written whole (a stop signal may come at any moment), the last stop's mark removed (this start
+    continues that run), the held-out documents written for uptrain.eval."""
+    if config.overwrite:
+        clear_run_dir(run_dir, config.log.project)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)
+    tmp = run_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(yaml.safe_dump(config_dict, sort_keys=False))
+    os.replace(tmp, run_dir / RUN_FILE)
+    if held_out is not None:
+        write_held_out(run_dir, held_out["text"])
+
+
+def _build_training(config: TrainConfig, folders: ModelFolders, accelerator: Accelerator, train_blocks):
+    """(model, teacher, optimizer, loader), prepared by accelerate (the model sharded first with shard=fsdp2)."""
     model, teacher = _load_models(config, folders, accelerator)
     if config.shard == "fsdp2":  # sharded by the trainer, before the optimizer sees the parameters
         model = shard.shard_model(model, accelerator, config.gradient_checkpointing, config.compile)
@@ -197,32 +227,22 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     # Blocks are already in run order; accelerate gives process r every world-th batch, so one
     # step sees the same global batch whatever the number of processes. A stream (an
     # IterableDataset) is read by the main process only and its batches dispatched the same way:
-    # process r gets the r-th of each group of `world` consecutive batches.
+    # process r gets the r-th of each group of `world` consecutive batches. A streaming source
+    # cannot skip batches in the loader: the stream itself starts after the blocks the interrupted
+    # run consumed (build_data's skip_blocks, the checkpoint's data position).
     dataset = train_blocks if config.data.train.streaming else train_blocks.with_format("torch")
     loader = DataLoader(dataset, batch_size=config.batch.micro_batch, shuffle=False)
     if config.shard == "fsdp2":  # accelerate would wrap the model in DDP: it prepares the loader only
         loader = accelerator.prepare(loader)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return model, teacher, optimizer, loader
 
-    n_params = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters())
-    n_trained = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
-    accelerator.print(plan.describe(data_config, world, n_params, n_available, len(val_blocks)))
-    if elastic_line:
-        accelerator.print(elastic_line)
-    if samples_line:
-        accelerator.print(samples_line)
-    accelerator.print(dtype_line)
-    accelerator.print(trainable_line(config.trainable, n_trained, n_params))
-    if ranges:
-        accelerator.print(stages_line(ranges))
+
+def grace_line(grace_s: float | None, source: str) -> str:
+    """The plan's line on stop signals and the grace this run assumes."""
     grace = "unknown" if grace_s is None else f"{grace_s:g} s"
-    accelerator.print(f"stop signals (SIGTERM, SIGUSR1, Ctrl-C): checkpoint after the step, exit 75; grace {grace} "
-                      f"({grace_source})" + (f"\n{grace_warning}" if grace_warning else ""))
-    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, val_blocks,
-               model, teacher, optimizer, loader, metrics, folders, final_dtype, ranges, identity,
-               grace_s, state.get("write_s"))
+    return f"stop signals (SIGTERM, SIGUSR1, Ctrl-C): checkpoint after the step, exit 75; grace {grace} ({source})"
 
 
 def _load_models(config: TrainConfig, folders: ModelFolders,
