@@ -171,7 +171,7 @@ def _convert_and_score(args, folder: Path, method: str, count: int, source_kv: i
         if args.refine:
             from uptrain.convert.refine_layer import RefineSettings
 
-            refine = RefineSettings()
+            refine = RefineSettings(log=lambda line: print(f"   {line}", flush=True))  # a line per refined layer
     out = args.out / (f"kv{count}" if method == args.method else f"{method}-kv{count}")
     began = time.monotonic()
     print(f"== {method} kv{count}: convert into {out}", flush=True)
