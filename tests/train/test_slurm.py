@@ -173,12 +173,13 @@ def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes_exactly(cluste
 def test_time_limit_warning_signal_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
     # The real time-limit path: slurmctld itself sends the header's USR1 (B:USR1@300) once less than
     # 300 s are left. The job starts without a limit; once the run is in its step-2 checkpoint (held
-    # there 40 s by a test hook, so that slurmctld's 30 s time-limit sweep finds it running), the
+    # there 70 s by a test hook, so that two of slurmctld's 30 s time-limit sweeps find it running,
+    # however loaded the machine), the
     # limit is cut to 4 min. After the requeue the limit is lifted again (else the restart would be
     # warned again at once).
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     job = _submit(cluster, run_dir, log, _args(run_dir, **{"checkpoint.every": 2}),
-                  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:40")
+                  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:70")
     _wait_for("the step-2 checkpoint write", lambda: (run_dir / "checkpoints" / ".tmp-checkpoint-00000002").is_dir()
               or _logged_steps(run_dir) > 2, 180, log)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=4"], env=_env(cluster), check=True, timeout=30)
