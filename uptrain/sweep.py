@@ -239,7 +239,7 @@ def _report(args, points: list[Point], method: str) -> None:
     from uptrain.measure.plots import plot_sweep
 
     source = points[0]
-    rows = [[p.label, p.kv_heads, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
+    rows = [[p.label if p.method == "source" else f"{p.method} kv{p.kv_heads}", p.kv_heads, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
              f"{p.kv_bytes_per_token:,.0f} B", f"{p.kv_bytes_at_context / 2**20:,.1f} MiB",
              f"{source.kv_bytes_per_token / p.kv_bytes_per_token:g}x"] for p in points]
     print(format_table(["model", "K/V heads", "loss", "perplexity", "vs source", "KV / token",
