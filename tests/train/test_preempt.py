@@ -263,3 +263,19 @@ def test_sigterm_to_the_launcher_during_a_45_s_checkpoint_completes_it_when_the_
     losses = train_losses(run_dir)
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def test_the_grace_comes_from_the_config_the_launch_script_or_torchrun_and_a_short_torchrun_is_named():
+    from uptrain.train.preempt import stop_grace
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "x"}
+    assert stop_grace(None, {}) == (None, "no deadline known (set stop_grace_s to the scheduler's grace)", None)
+    assert stop_grace(120, {})[:2] == (120.0, "stop_grace_s")
+    assert stop_grace(None, {"UPTRAIN_STOP_GRACE_S": "300"})[:2] == (300.0, "UPTRAIN_STOP_GRACE_S")
+    grace, source, warning = stop_grace(None, torchrun)  # torchrun's default: 30 s, and how to raise it
+    assert grace == 30.0 and "its default; raise it with TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in source and warning is None
+    assert stop_grace(None, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"})[0] == 90.0
+    # a grace longer than torchrun's own timeout: torchrun kills first, so that is the deadline, and it is said
+    grace, _, warning = stop_grace(300, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})
+    assert grace == 30.0 and "launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in warning
+    assert stop_grace(300, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}) == (300.0, "stop_grace_s", None)
