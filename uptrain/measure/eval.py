@@ -17,21 +17,18 @@ import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from uptrain.convert.source import missing_folder_hint
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
-from uptrain.units import DTYPES
+from uptrain.measure.models import LOAD_DTYPES, load_model, require_model_folder  # noqa: F401 (public here too)
 
 
 # what --dtype accepts when loading a model: the shared table plus "auto" (as saved)
-LOAD_DTYPES: dict[str, torch.dtype | str] = {"auto": "auto", **DTYPES}
 
 
 @dataclass
@@ -113,30 +110,6 @@ def evaluate(
 
 
 # ---------------------------------------------------------------- I/O
-
-
-def require_model_folder(path: str | Path) -> None:
-    """UsageError (one line, with a near-name hint) unless `path` is a folder holding config.json."""
-    if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"model folder not found or has no config.json: {path}{missing_folder_hint(path)}")
-
-
-def load_model(path: str, dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True):
-    """(model in eval mode on `device`, tokenizer or None) from a local folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    require_model_folder(path)
-    if dtype not in LOAD_DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r}; use one of {sorted(LOAD_DTYPES)}")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as err:
-        raise UsageError(f"device {device!r} is not usable here: {str(err).splitlines()[0]}") from None
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=LOAD_DTYPES[dtype]).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
-    return model, tokenizer
 
 
 def tokenize_texts(tokenizer, texts: Iterable[str]) -> Iterable[torch.Tensor]:

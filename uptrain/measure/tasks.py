@@ -235,7 +235,7 @@ def tasks_from_args(args: argparse.Namespace):
 def score_paths(paths: Sequence[str], names: Sequence[str], manager, max_length: int, limit: int | None,
                 dtype: str = "auto", device: str = "cpu") -> list[list[TaskScore]]:
     """`run_tasks` on each model folder (loaded as `uptrain.eval` loads it)."""
-    from uptrain.measure.eval import load_model
+    from uptrain.measure.models import load_model
 
     out = []
     for path in paths:
