@@ -192,8 +192,10 @@ def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict,
     (result,) = evaluate_paths([str(folder)], texts, max_length, stride)
     config = AutoConfig.from_pretrained(folder).get_text_config()
     shape = model_shape(config)
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(getattr(config, "dtype", None) or
-                                                                  getattr(config, "torch_dtype", "float32")).removeprefix("torch."), 4)
+    from uptrain.units import DTYPES
+
+    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
     per_token = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
     context = getattr(config, "max_position_embeddings", None) or max_length
     settings = {**settings, "source_kv_heads": settings.get("source_kv_heads", kv_heads), "context": context,

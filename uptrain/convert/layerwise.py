@@ -143,23 +143,8 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
         wv = wv[perm]
         wo = wo[perm]
 
-    g = heads // new_kv
-    new_k, new_v = [], []
-    for s in range(new_kv):
-        grp = slice(s * g, (s + 1) * g)
-        if method == "fit":
-            k1, wq[grp] = fit_keys(wk[grp], wq[grp], sig_kv, sig_q, planes)
-            v1, wo[grp] = fit_values(wv[grp], wo[grp], sig_kv)
-        elif method == "mean":
-            k1, v1 = wk[grp].mean(0), wv[grp].mean(0)
-        elif method == "first":
-            k1, v1 = wk[grp][0], wv[grp][0]
-        else:
-            raise ValueError(f"transform_layer takes mean, first or fit, not {method!r}")
-        new_k.append(k1)
-        new_v.append(v1)
-    k_all, v_all = torch.stack(new_k), torch.stack(new_v)  # [new_kv, hd, D]
-    del wk, wv, new_k, new_v  # the MHA-view K/V are done with
+    k_all, v_all = _merge_groups(wq, wk, wv, wo, new_kv, method, sig_kv, sig_q, planes)  # [new_kv, hd, D]
+    del wk, wv  # the MHA-view K/V are done with
 
     out: dict[str, torch.Tensor] = {}
     out["q.weight"] = wq[..., :d].reshape(heads * hd, d)
@@ -182,6 +167,31 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
                 dtype = tensors[f"qkv.{param}"].dtype
                 out[f"qkv.{param}"] = merge_qkv(*[p.to(dtype) for p in parts], qkv_layout, hd)
     return {name: value.to(tensors[name].dtype).contiguous() for name, value in out.items()}
+
+
+def _merge_groups(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor, new_kv: int, method: str,
+                  sig_kv: torch.Tensor, sig_q: torch.Tensor, planes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of heads // new_kv consecutive heads' K/V merged into one: (K, V), each [new_kv, hd, D].
+
+    wq, wk, wv: [heads, hd, D] (augmented with the bias column where there is one), wo: [heads, d_out,
+    hd], all in group order. "fit" also compensates the group's queries and outputs: wq and wo are
+    updated in place."""
+    g = wk.shape[0] // new_kv
+    new_k, new_v = [], []
+    for s in range(new_kv):
+        grp = slice(s * g, (s + 1) * g)
+        if method == "fit":
+            k1, wq[grp] = fit_keys(wk[grp], wq[grp], sig_kv, sig_q, planes)
+            v1, wo[grp] = fit_values(wv[grp], wo[grp], sig_kv)
+        elif method == "mean":
+            k1, v1 = wk[grp].mean(0), wv[grp].mean(0)
+        elif method == "first":
+            k1, v1 = wk[grp][0], wv[grp][0]
+        else:
+            raise ValueError(f"transform_layer takes mean, first or fit, not {method!r}")
+        new_k.append(k1)
+        new_v.append(v1)
+    return torch.stack(new_k), torch.stack(new_v)
 
 
 class _LayerCache:

@@ -60,6 +60,25 @@ def check_kv_heads(kv_heads: int, heads: int, kv: int, mqa_only: bool, model_typ
     raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
 
 
+def _open_source(checkpoint: str, revision: str | None, headers_only: bool):
+    """(source checkpoint, registry family, a plan note or None): the folder resolved, the model type
+    checked before any weights are asked for, and with `headers_only` a Hub id not in the cache
+    opened from its safetensors headers (the note says how many bytes that fetched)."""
+    remote = headers_only and not Path(checkpoint).expanduser().exists()  # a Hub id
+    with count_hub_bytes() if remote else nullcontext([0]) as fetched:
+        folder = resolve_source(checkpoint, revision, weights=not remote)
+    raw = read_config(folder)
+    # The model type first: a type we cannot convert is refused before we ask for its weights.
+    family = source_family(raw)
+    if not (remote and not has_weights(folder)):
+        return open_checkpoint(folder, raw), family, None
+    source, header_bytes = open_hub_headers(checkpoint, revision, folder, raw)
+    weight_bytes = sum(i.nbytes for i in source.tensors)
+    return source, family, (f"read the safetensors headers over HTTP: {human_bytes(fetched[0] + header_bytes)} "
+                            f"fetched (config, index, headers); the {human_bytes(weight_bytes)} of weights "
+                            f"were not downloaded")
+
+
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
             grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
@@ -80,21 +99,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
     """
     start = time.perf_counter()
-    remote = headers_only and not Path(checkpoint).expanduser().exists()  # a Hub id
-    with count_hub_bytes() if remote else nullcontext([0]) as fetched:
-        folder = resolve_source(checkpoint, revision, weights=not remote)
-    raw = read_config(folder)
-    # The model type first: a type we cannot convert is refused before we ask for its weights.
-    family = source_family(raw)
-    header_note = None
-    if remote and not has_weights(folder):
-        source, header_bytes = open_hub_headers(checkpoint, revision, folder, raw)
-        weight_bytes = sum(i.nbytes for i in source.tensors)
-        header_note = (f"read the safetensors headers over HTTP: {human_bytes(fetched[0] + header_bytes)} fetched "
-                       f"(config, index, headers); the {human_bytes(weight_bytes)} of weights "
-                       f"were not downloaded")
-    else:
-        source = open_checkpoint(folder, raw)
+    source, family, header_note = _open_source(checkpoint, revision, headers_only)
     cfg = load_hf_config(source.config)
     dims = attention_dims(cfg, family)
     check_kv_heads(kv_heads, dims.heads, dims.kv_heads, family.mqa_only, source.config["model_type"], allow_expand)

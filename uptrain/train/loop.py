@@ -303,7 +303,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
     Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
     """
     config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
-    world, accum = accelerator.num_processes, config.batch.grad_accum
+    accum = config.batch.grad_accum
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     sharded = shard.is_sharded(model)  # shard=fsdp2; FSDP2 averages gradients like DDP: x world holds
     clip = shard.clip_grad_norm if sharded else accelerator.clip_grad_norm_
@@ -322,31 +322,8 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
         for group in optimizer.param_groups:
             group["lr"] = lr
         window = [next(batches)["input_ids"] for _ in range(accum)]  # each [micro_batch, seq_len]
-        # Normalise by the target tokens of the whole step on all processes (sum / global count),
-        # not by a mean of per-batch means. All blocks are full now, but the rule stays right
-        # if padding or masking ever appears. The count stays on the device (no host sync).
-        # torch.full is a fill kernel: unlike torch.tensor(x, device=cuda) no copy that waits for the GPU.
-        local_tokens = torch.full((), float(sum(ids[:, 1:].numel() for ids in window)), device=accelerator.device)
-        global_tokens = accelerator.reduce(local_tokens, reduction="sum")
-        sums = torch.zeros(3, device=accelerator.device)  # [loss, lm, kd] summed over tokens
-        for i, ids in enumerate(window):
-            # Gradients are all-reduced only on the last micro batch of the step.
-            sync = (contextlib.nullcontext() if i == accum - 1 else
-                    shard.no_grad_sync(model) if sharded else accelerator.no_sync(model))
-            with sync:
-                logits = model(input_ids=ids).logits  # [micro_batch, seq_len, vocab]
-                loss, lm, kd = _step_loss(run, logits, ids)
-                # DDP averages gradients over processes; x world turns that into sum / global count.
-                accelerator.backward(loss * world / global_tokens)
-                sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
-        # The global gradient norm, clipped to optim.grad_clip (inf: computed, nothing clipped).
-        # Under DeepSpeed the step already ran inside backward; its norm is known only with clipping.
-        max_norm = config.optim.grad_clip or math.inf
-        grad_norm = clip(model.parameters(), max_norm) if not deepspeed or config.optim.grad_clip > 0 else None
-        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):  # e.g. DeepSpeed's float
-            grad_norm = torch.tensor(float(grad_norm))
-        elif hasattr(grad_norm, "full_tensor"):  # accelerate's FSDP2 may return the norm as a DTensor
-            grad_norm = grad_norm.full_tensor()
+        sums, global_tokens = _forward_backward(run, window, sharded)
+        grad_norm = _clipped_grad_norm(run, clip, deepspeed)
         # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
         health.record(step, accelerator.reduce(sums, reduction="sum") / global_tokens, grad_norm,
                       check_norm=accelerator.scaler is None)
@@ -376,12 +353,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
             bar.write(f"ETA: {format_eta(left)} for {plan.steps - done} more steps at "
                       f"{left / (plan.steps - done):.2f} s/step (recent steps; step {done}/{plan.steps})")
         if log_now:
-            record = {"step": done, "loss": stats.loss, "lm_loss": stats.lm, "lr": lr,
-                      "tokens": done * plan.tokens_per_step, "tok_per_s": tok_s}
-            if run.teacher is not None:
-                record["kd_loss"] = stats.kd
-            if stats.grad_norm is not None:
-                record["grad_norm"] = stats.grad_norm
+            record = _metrics_record(run, done, stats, lr, tok_s)
             run.log(record)
         if eval_now:
             run.log({"step": done, **run.validate()})
@@ -396,6 +368,57 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
             bar.close()
             raise Preempted(signal_name(signum), done, plan.steps, saved or _stop_checkpoint(run, done, stop))
     bar.close()
+    return record
+
+
+def _forward_backward(run: Run, window: list[torch.Tensor], sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one step's micro batches (`window`, each [micro_batch, seq_len]);
+    returns ([loss, lm, kd] summed over this process's target tokens, the step's global token count),
+    both on the device.
+
+    Normalised by the target tokens of the whole step on all processes (sum / global count), not by
+    a mean of per-batch means. All blocks are full now, but the rule stays right if padding or
+    masking ever appears. The count stays on the device (no host sync); torch.full is a fill kernel:
+    unlike torch.tensor(x, device=cuda) no copy that waits for the GPU.
+    """
+    accelerator, model, accum = run.accelerator, run.model, len(window)
+    world = accelerator.num_processes
+    local_tokens = torch.full((), float(sum(ids[:, 1:].numel() for ids in window)), device=accelerator.device)
+    global_tokens = accelerator.reduce(local_tokens, reduction="sum")
+    sums = torch.zeros(3, device=accelerator.device)  # [loss, lm, kd] summed over tokens
+    for i, ids in enumerate(window):
+        # Gradients are all-reduced only on the last micro batch of the step.
+        sync = (contextlib.nullcontext() if i == accum - 1 else
+                shard.no_grad_sync(model) if sharded else accelerator.no_sync(model))
+        with sync:
+            logits = model(input_ids=ids).logits  # [micro_batch, seq_len, vocab]
+            loss, lm, kd = _step_loss(run, logits, ids)
+            # DDP averages gradients over processes; x world turns that into sum / global count.
+            accelerator.backward(loss * world / global_tokens)
+            sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
+    return sums, global_tokens
+
+
+def _clipped_grad_norm(run: Run, clip, deepspeed: bool) -> torch.Tensor | None:
+    """The global gradient norm, clipped to optim.grad_clip (inf: computed, nothing clipped), as a tensor.
+    Under DeepSpeed the step already ran inside backward; its norm is known only with clipping (else None)."""
+    grad_clip = run.config.optim.grad_clip
+    grad_norm = clip(run.model.parameters(), grad_clip or math.inf) if not deepspeed or grad_clip > 0 else None
+    if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):  # e.g. DeepSpeed's float
+        grad_norm = torch.tensor(float(grad_norm))
+    elif hasattr(grad_norm, "full_tensor"):  # accelerate's FSDP2 may return the norm as a DTensor
+        grad_norm = grad_norm.full_tensor()
+    return grad_norm
+
+
+def _metrics_record(run: Run, done: int, stats, lr: float, tok_s: float) -> dict:
+    """The metrics.jsonl record of step `done` (after a sync point: `stats` read from the device)."""
+    record = {"step": done, "loss": stats.loss, "lm_loss": stats.lm, "lr": lr,
+              "tokens": done * run.plan.tokens_per_step, "tok_per_s": tok_s}
+    if run.teacher is not None:
+        record["kd_loss"] = stats.kd
+    if stats.grad_norm is not None:
+        record["grad_norm"] = stats.grad_norm
     return record
 
 
