@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from uptrain.convert.passthrough import stored_tensors
-from uptrain.convert.source import TensorSpec
-from uptrain.convert.shards import ShardWriter, finish_shards
+from uptrain.convert.io.passthrough import stored_tensors
+from uptrain.convert.io.source import TensorSpec
+from uptrain.convert.io.shards import ShardWriter, finish_shards
 from uptrain.units import DTYPES, parse_size
 
 CHILD = """

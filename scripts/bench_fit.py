@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain.convert.fit import fit_keys, fit_values, rotary_planes
+from uptrain.convert.math.fit import fit_keys, fit_values, rotary_planes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,10 +47,10 @@ def reset_peak() -> None:
 
 def old_fit_module(ref: str) -> types.ModuleType:
     """fit.py as it was at git `ref`, loaded as a module."""
-    text = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:uptrain/convert/fit.py"],
+    text = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:uptrain/convert/math/fit.py"],
                           check=True, capture_output=True, text=True).stdout
     module = types.ModuleType("old_fit")
-    exec(compile(text, f"{ref}:uptrain/convert/fit.py", "exec"), module.__dict__)
+    exec(compile(text, f"{ref}:uptrain/convert/math/fit.py", "exec"), module.__dict__)
     return module
 
 

@@ -74,7 +74,7 @@ def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: s
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from uptrain.convert.hfconfig import model_shape
+    from uptrain.convert.io.hfconfig import model_shape
     from uptrain.measure.bench_llama import TYPE_BYTES, kv_formula, random_tokens
 
     out = gguf.convert_to_gguf(folder, tmp / f"{folder.name}.gguf", converter, outtype)

@@ -46,8 +46,8 @@ warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*"
 warnings.filterwarnings("ignore", category=UserWarning, message=".*axis name.*")
 
 from uptrain.cli import format_table, write_json  # noqa: E402
-from uptrain.convert.hfconfig import model_shape  # noqa: E402
-from uptrain.convert.passthrough import read_header  # noqa: E402
+from uptrain.convert.io.hfconfig import model_shape  # noqa: E402
+from uptrain.convert.io.passthrough import read_header  # noqa: E402
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
 
 # config.json fields vLLM's Llama-family loader reads (through transformers' AutoConfig)

@@ -41,8 +41,8 @@ import recipe_study as rs  # noqa: E402
 from refine_study import save_refined, sequences_of  # noqa: E402
 
 from uptrain.convert import convert  # noqa: E402
-from uptrain.convert.calibrate import Calibration  # noqa: E402
-from uptrain.convert.refine import refine_model  # noqa: E402
+from uptrain.convert.layers.calibrate import Calibration  # noqa: E402
+from uptrain.convert.math.refine import refine_model  # noqa: E402
 from uptrain.measure.eval import load_model  # noqa: E402
 
 RECIPE = ["optim.lr=3e-4", "optim.warmup_steps=0", f"distill.teacher={rs.TEACHER}", "distill.alpha_kd=0.9"]

@@ -1,4 +1,4 @@
-"""Measure layer-wise reconstruction (`uptrain.convert.refine`) at alpha = 0; numbers for results/refine.md.
+"""Measure layer-wise reconstruction (`uptrain.convert.math.refine`) at alpha = 0; numbers for results/refine.md.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model stories --kv 2 1 [--json out.json]
     PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model reference --kv 4 2 1
@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
 from uptrain.convert import convert  # noqa: E402
-from uptrain.convert.calibrate import Calibration, calibration_sequences, read_calibration_texts  # noqa: E402
-from uptrain.convert.refine import refine_model  # noqa: E402
+from uptrain.convert.layers.calibrate import Calibration, calibration_sequences, read_calibration_texts  # noqa: E402
+from uptrain.convert.math.refine import refine_model  # noqa: E402
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts  # noqa: E402
 
 DOCS = 12

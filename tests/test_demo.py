@@ -82,7 +82,7 @@ def test_own_model_and_text_convert_uptrain_and_report(tmp_path, capsys):
 
 def test_own_model_that_cannot_be_converted_is_refused_in_one_line(tmp_path, capsys):
     from transformers import GPT2Config
-    from uptrain.convert.architectures import family_for
+    from uptrain.convert.registry.architectures import family_for
     from uptrain.errors import UsageError
 
     model = tmp_path / "gpt2-tiny"

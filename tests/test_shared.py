@@ -52,7 +52,7 @@ def test_usage_lines_name_the_command_the_user_typed(monkeypatch: pytest.MonkeyP
     ("uptrain.eval", "uptrain.measure.eval"), ("uptrain.bench", "uptrain.measure.bench"),
     ("uptrain.compare", "uptrain.measure.compare"), ("uptrain.plots", "uptrain.measure.plots"),
     ("uptrain.demo", "uptrain.demo"), ("uptrain.measure.methods", "uptrain.measure.methods"),
-    ("uptrain.convert.architectures", "uptrain.convert.architectures")])
+    ("uptrain.convert.registry.architectures", "uptrain.convert.registry.architectures")])
 def test_every_command_has_help_with_its_own_name(module: str, entry: str, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib
 
@@ -64,11 +64,11 @@ def test_every_command_has_help_with_its_own_name(module: str, entry: str, capsy
 
 
 def test_module_entry_points_run_without_import_warnings() -> None:
-    """`python -m uptrain.convert.architectures` must not import itself twice (runpy's warning)."""
+    """`python -m uptrain.convert.registry.architectures` must not import itself twice (runpy's warning)."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "uptrain.convert.architectures"],
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "uptrain.convert.registry.architectures"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("| model type(s)"), proc.stderr[-2000:]
 

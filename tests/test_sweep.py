@@ -80,14 +80,89 @@ def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path
     assert _points(out)["fit kv4"]["settings"]["calib_tokens"] == 2048
 
 
+UPTRAIN = ["--uptrain-tokens", "4096", "--train-data", str(TRAIN_TXT)]  # one optimizer step of the recipe
+
+
+def test_bench_and_uptraining_per_count_scored_as_uptrain_eval_and_kept_by_a_rerun(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = [str(EXAMPLE_MHA8), *ARGS, "--kv-heads", "2", "--bench", "--bench-context", "16", "--bench-new-tokens",
+            "8", "--bench-repeats", "1", *UPTRAIN, "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    points = _points(out)
+    assert list(points) == ["source", "mean kv2"]
+    # decode speed: timed by uptrain.bench's code for the source and the count, a column of the table
+    assert all(p["decode_tokens_per_s"] > 0 and p["bench"]["new_tokens"] == 8 for p in points.values())
+    assert "decode tok/s" in printed and "loss after uptraining (4,096 tokens)" in printed
+    assert "after uptraining: " in printed
+    # the uptrained model is a whole folder under OUT/kv2-uptrained/, and uptrain.eval scores it as the sweep did
+    after = points["mean kv2"]
+    assert after["uptrain_tokens"] == 4096 and after["uptrain_steps"] == 1 and after["uptrain_seconds"] > 0
+    assert after["uptrained_folder"] == str(out / "kv2-uptrained" / "model")
+    assert "loss_after_uptraining" not in points["source"] or points["source"]["loss_after_uptraining"] is None
+    subset = tmp_path / "valid4.txt"
+    subset.write_text("\n\n".join(VALID_TXT.read_text().split("\n\n")[:4]))
+    assert eval_main([after["uptrained_folder"], "--data", str(subset), "--json", str(tmp_path / "eval.json")]) == 0
+    (record,) = json.loads((tmp_path / "eval.json").read_text())
+    assert record["loss"] == pytest.approx(after["loss_after_uptraining"], abs=1e-9)
+    assert record["perplexity"] == pytest.approx(after["perplexity_after_uptraining"], rel=1e-9)
+    assert after["loss_after_uptraining"] != after["loss"]  # it was trained
+    # a rerun with the same arguments keeps the timings and the uptraining; another budget redoes only that
+    model_file = out / "kv2-uptrained" / "model" / "config.json"
+    before = model_file.stat().st_mtime_ns
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "mean kv2: uptraining kept from the earlier run" in printed and "decode speed kept" in printed
+    assert model_file.stat().st_mtime_ns == before and _points(out) == points
+    argv[argv.index("4096")] = "8192"
+    assert main(argv) == 0
+    again = _points(out)["mean kv2"]
+    assert again["uptrain_tokens"] == 8192 and again["uptrain_steps"] == 2
+    assert again["loss"] == after["loss"] and again["decode_tokens_per_s"] == after["decode_tokens_per_s"]
+
+
+def test_bench_in_llama_cpp_where_it_is_installed(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+    import os
+
+    if not os.environ.get("LLAMA_CPP_DIR"):
+        pytest.skip("LLAMA_CPP_DIR (a llama.cpp checkout with convert_hf_to_gguf.py) is not set")
+    out = tmp_path / "sweep"
+    assert main([str(EXAMPLE_MHA8), *ARGS, "--kv-heads", "4", "--bench", "--runtime", "llama.cpp",
+                 "--bench-context", "16", "--bench-new-tokens", "8", "--out", str(out)]) == 0
+    assert all(p["decode_tokens_per_s"] > 0 and p["bench"]["runtime"] == "llama.cpp" for p in _points(out).values())
+
+
+def _llama_cpp_missing() -> str:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama.cpp runs need llama-cpp-python, which is not importable"
+    return "converting to GGUF needs llama.cpp's convert_hf_to_gguf.py"
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--uptrain-tokens", "0", "--train-data", str(TRAIN_TXT)], "--uptrain-tokens must be a positive number"),
+    (["--uptrain-tokens", "-4096", "--train-data", str(TRAIN_TXT)], "--uptrain-tokens must be a positive number"),
+    (["--uptrain-tokens", "many"], "not a number of tokens"),
+    (["--uptrain-tokens", "100", "--train-data", str(TRAIN_TXT)], "is below one optimizer step of 4,096 tokens"),
+    (["--uptrain-tokens", "4096"], "--uptrain-tokens needs training text"),
+    (["--uptrain-tokens", "4096", "--train-data", str(VALID_TXT)], "--train-data and --data are the same file"),
+    ([*UPTRAIN, "--uptrain-set", "budget.tokens=5"], "the sweep sets budget.tokens itself"),
+    ([*UPTRAIN, "--uptrain-set", "optim.lr"], "is not key=value"),
+    (["--train-data", str(TRAIN_TXT)], "--train-data applies only with --uptrain-tokens N"),
+    (["--bench", "--runtime", "llama.cpp"], _llama_cpp_missing()),
+    (["--runtime", "llama.cpp"], "--runtime applies only with --bench"),
+    (["--bench", "--bench-context", "500", "--bench-new-tokens", "32"], "exceed the model's 512 positions"),
+    (["--bench", "--bench-new-tokens", "1"], "--bench-new-tokens must be at least 2"),
     (["--kv-heads", "3"], "3 does not divide the 8 K/V heads"),
     (["--kv-heads", "8"], "--kv-heads 8 is not below the source's 8 K/V heads"),
     (["--kv-heads", "two"], "--kv-heads takes counts like 4,2,1 or all"),
     (["--calib", str(VALID_TXT), "--method", "fit"], "--calib and --data are the same file"),
     (["--refine"], "--refine needs --calib FILE"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
     out = tmp_path / "sweep"
     assert main([str(EXAMPLE_MHA8), *ARGS, *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err

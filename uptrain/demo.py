@@ -29,10 +29,10 @@ import torch
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
-from uptrain.convert.choices import GROUPINGS, METHODS
-from uptrain.convert.hfconfig import model_shape, source_family
+from uptrain.convert.registry.choices import GROUPINGS, METHODS
+from uptrain.convert.io.hfconfig import model_shape, source_family
 from uptrain.convert.pipeline import check_kv_heads
-from uptrain.convert.source import read_config, resolve_source
+from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
@@ -210,11 +210,11 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
     calibration, refine = None, None
     refining = args.refine_steps > 0 and args.method != "random"
     if args.calib_tokens > 0 and (args.method == "fit" or refining):
-        from uptrain.convert.calibrate import Calibration
+        from uptrain.convert.layers.calibrate import Calibration
 
         calibration = Calibration(train_text, args.calib_tokens, "cpu")
         if refining:
-            from uptrain.convert.refine_layer import RefineSettings
+            from uptrain.convert.layers.refine_layer import RefineSettings
 
             refine = RefineSettings(steps=args.refine_steps, log=layer_progress(model_shape(read_config(source)).layers))
     how = args.method + (f", {args.grouping} grouping" if args.grouping != "contiguous" else "")

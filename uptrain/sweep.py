@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
-from uptrain.convert.choices import GROUPINGS, METHODS
-from uptrain.convert.hfconfig import model_shape, source_family
-from uptrain.convert.heads import divisors
+from uptrain.convert.registry.choices import GROUPINGS, METHODS
+from uptrain.convert.io.hfconfig import model_shape, source_family
+from uptrain.convert.math.heads import divisors
 from uptrain.convert.pipeline import check_kv_heads
-from uptrain.convert.source import read_config, resolve_source
+from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
+from uptrain.sweep_extras import add_extra_args, after_uptraining, check_extras, notes, run_extras, table_columns
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.units import kv_cache_bytes_per_token
 
@@ -56,6 +57,17 @@ class Point:
     folder: str
     settings: dict
     seconds: float  # conversion + scoring
+    # --bench (uptrain.sweep_extras): median decode tokens/s, timed by uptrain.bench's code, and how
+    decode_tokens_per_s: float | None = None
+    bench: dict | None = None
+    # --uptrain-tokens N (uptrain.sweep_extras): the folder uptrained with the recipe, scored again
+    loss_after_uptraining: float | None = None
+    perplexity_after_uptraining: float | None = None
+    uptrain_tokens: int | None = None  # tokens trained (the budget, in whole optimizer steps)
+    uptrain_steps: int | None = None
+    uptrain_seconds: float | None = None  # uptraining + scoring
+    uptrained_folder: str | None = None  # OUT/kv{N}-uptrained/model
+    uptrain_settings: dict | None = None
 
 
 def sweep_counts(spec: str, heads: int, kv: int, mqa_only: bool, model_type: str) -> list[int]:
@@ -110,6 +122,7 @@ def _parser() -> ArgParser:
     p.add_argument("--max-loss-increase", type=float, default=0.01, help="the recommendation's bound (default 0.01)")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out documents")
     p.add_argument("--out", type=Path, required=True, help="the sweep's folder (a rerun continues it)")
+    add_extra_args(p)
     add_threads_arg(p, "conversion and scoring")
     return p
 
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calib is not None and args.calib.resolve() == args.data.resolve():
         raise UsageError("--calib and --data are the same file: score on text the calibration did not see "
                          "(split your text, e.g. the last tenth of its documents for --data)")
+    check_extras(args, folder, raw)  # --bench / --uptrain-tokens: refused here, before anything is written
     from uptrain.data import DataSource, read_documents
     from uptrain.measure.eval import model_windows
 
@@ -153,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {point.label}: kept from the earlier run ({point.folder})", flush=True)
             points.append(point)
             _write_points(args.out, points)
+    run_extras(args, folder, points, texts, max_length, stride, raw, lambda done: _write_points(args.out, done))
     _report(args, points, methods[0])
     return 0
 
@@ -165,11 +180,11 @@ def _convert_and_score(args, folder: Path, method: str, count: int, source_kv: i
     calibration, refine = None, None
     settings = _conversion_settings(args, method, source_kv)
     if settings["calib"]:
-        from uptrain.convert.calibrate import Calibration
+        from uptrain.convert.layers.calibrate import Calibration
 
         calibration = Calibration(args.calib, args.calib_tokens, "cpu")
         if args.refine:
-            from uptrain.convert.refine_layer import RefineSettings
+            from uptrain.convert.layers.refine_layer import RefineSettings
 
             refine = RefineSettings(log=lambda line: print(f"   {line}", flush=True))  # a line per refined layer
     out = args.out / (f"kv{count}" if method == args.method else f"{method}-kv{count}")
@@ -244,11 +259,18 @@ def _report(args, points: list[Point], method: str) -> None:
     rows = [[p.label if p.method == "source" else f"{p.method} kv{p.kv_heads}", p.kv_heads, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
              f"{p.kv_bytes_per_token:,.0f} B", f"{p.kv_bytes_at_context / 2**20:,.1f} MiB",
              f"{source.kv_bytes_per_token / p.kv_bytes_per_token:g}x"] for p in points]
+    extra_headers, extra_cells = table_columns(points, source.loss)  # --bench, --uptrain-tokens
     print(format_table(["model", "K/V heads", "loss", "perplexity", "vs source", "KV / token",
-                        f"KV at {source.settings['context']:,} tokens x {args.batch}", "KV reduction"], rows))
+                        f"KV at {source.settings['context']:,} tokens x {args.batch}", "KV reduction", *extra_headers],
+                       [row + extra for row, extra in zip(rows, extra_cells)]))
+    for line in notes(points):
+        print(line)
     plot_sweep([asdict(p) for p in points], args.out / "sweep.png")
     chosen = [p for p in points[1:] if p.label.startswith(method + " ")]
     print(recommend(chosen, source.loss, args.max_loss_increase))
+    uptrained = after_uptraining(chosen)
+    if uptrained:
+        print("after uptraining: " + recommend(uptrained, source.loss, args.max_loss_increase))
     print(f"wrote {args.out / RECORDS} and {args.out / 'sweep.png'}")
 
 

@@ -13,10 +13,10 @@ from transformers import AutoConfig
 
 from families import GQA_TYPES, HD, HEADS, KV, MQA_TYPES, tiny_config
 from tiny import load, logits, random_model, read_config, save
-from uptrain.convert.architectures import FAMILIES, UNSUPPORTED, family_for, supported_model_types
+from uptrain.convert.registry.architectures import FAMILIES, UNSUPPORTED, family_for, supported_model_types
 from uptrain.convert import convert
-from uptrain.convert.heads import merge_qkv, repeat_heads, split_qkv
-from uptrain.convert.hfconfig import attention_dims
+from uptrain.convert.math.heads import merge_qkv, repeat_heads, split_qkv
+from uptrain.convert.io.hfconfig import attention_dims
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 23, 64, 7, 11]])
 
@@ -115,8 +115,8 @@ def test_legacy_rope_fields_stay_as_the_source_wrote_them(tmp_path):
 
 def test_readme_table_is_the_registry():
     from conftest import REPO
-    from uptrain.convert.architectures import markdown_table
-    assert markdown_table() in (REPO / "docs" / "convert.md").read_text(), "run: python -m uptrain.convert.architectures"
+    from uptrain.convert.registry.architectures import markdown_table
+    assert markdown_table() in (REPO / "docs" / "convert.md").read_text(), "run: python -m uptrain.convert.registry.architectures"
 
 
 # ------------------------------------------------------------------ the registry's facts, checked against transformers
@@ -129,7 +129,7 @@ ALL_IDS = [f"{t}-{'gqa' if i < len(GQA_TYPES) else 'mqa'}" for i, (t, _) in enum
 def test_every_registry_type_resolves_every_fact():
     """No family falls back on a default it does not state: every model type of every entry has one
     set of attention names, a K/V tensor rule, and a key norm named where it has one."""
-    from uptrain.convert.architectures import attention_for
+    from uptrain.convert.registry.architectures import attention_for
 
     for family in FAMILIES:
         a = family.attention

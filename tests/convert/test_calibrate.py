@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from conftest import EXAMPLE_MHA8, TRAIN_TXT
 from tiny import random_model, save
 from uptrain.convert import convert
-from uptrain.convert.calibrate import Calibration, read_calibration_texts
+from uptrain.convert.layers.calibrate import Calibration, read_calibration_texts
 
 
 def documents(folder: Path, tokens: int) -> list[torch.Tensor]:

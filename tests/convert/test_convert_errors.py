@@ -130,7 +130,7 @@ def test_refusals_found_after_planning_print_no_plan(mha8, tmp_path, capsys):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
-BOOM = "from uptrain.convert import layerwise\n" \
+BOOM = "from uptrain.convert.layers import layerwise\n" \
        "def boom(similarity, groups):\n" \
        "    raise ValueError('3 is not in list\\nsecond line')\n" \
        "layerwise.group_permutation = boom\n"
@@ -139,7 +139,7 @@ BOOM = "from uptrain.convert import layerwise\n" \
 def test_an_internal_error_is_one_line_exit_1_and_the_output_is_untouched(mha8, tmp_path, capsys, monkeypatch):
     """A fault inside our own code (the head grouping raising, as the old swap pass did) mid-conversion
     with --force over an existing output: one line that says it is ours, exit 1, the old output kept."""
-    from uptrain.convert import layerwise
+    from uptrain.convert.layers import layerwise
     namespace: dict = {}
     exec(BOOM.replace("layerwise.group_permutation = boom", ""), namespace)  # the real process's fault, here
     monkeypatch.setattr(layerwise, "group_permutation", namespace["boom"])

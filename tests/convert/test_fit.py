@@ -13,10 +13,10 @@ from transformers import AutoConfig
 from conftest import REPO
 from tiny import load, logits, random_model, save
 from uptrain.convert import RECORD_FILE, convert
-from uptrain.convert import layerwise
+from uptrain.convert.layers import layerwise
 from uptrain.convert.__main__ import main
-from uptrain.convert.calibrate import Calibration
-from uptrain.convert.fit import fit_keys, fit_values, rotary_planes, sigma_roots
+from uptrain.convert.layers.calibrate import Calibration
+from uptrain.convert.math.fit import fit_keys, fit_values, rotary_planes, sigma_roots
 
 MHA8 = REPO / "examples" / "stories260K-mha8"
 VALID = REPO / "examples" / "data" / "tinystories-valid-sample.txt"
@@ -58,7 +58,7 @@ def test_permuting_heads_keeps_the_mha_function(model_type, tmp_path, monkeypatc
 
 def test_similar_grouping_finds_planted_groups():
     """Heads built as 2 groups of alike heads (shuffled) come back as those groups."""
-    from uptrain.convert.grouping import equal_groups, head_similarity
+    from uptrain.convert.math.grouping import equal_groups, head_similarity
     g = torch.Generator().manual_seed(0)
     base_k, base_v = torch.randn(2, HD, 16, generator=g), torch.randn(2, HD, 16, generator=g)
     owner = [0, 1, 1, 0, 1, 0, 0, 1]
@@ -489,7 +489,7 @@ def test_batched_fit_equals_the_reference_fit(heads, one_torch_thread):
 
 def test_sigma_factor_is_made_once_per_sigma_and_never_stale(monkeypatch):
     """A layer's groups share one Cholesky of Σ; a different Σ, or Σ written in place, gets its own."""
-    from uptrain.convert import fit
+    from uptrain.convert.math import fit
     calls = []
     real = torch.linalg.cholesky
     monkeypatch.setattr(torch.linalg, "cholesky", lambda a: calls.append(1) or real(a))
@@ -532,7 +532,7 @@ def test_partial_rotary_fit_is_exact_on_planted_heads_at_every_position(heads):
     """Groups whose keys differ per head by complex scales on the rotary planes and by any invertible
     map on the other rows (queries compensated): the partial-rotary fit keeps every head's score at
     every pair of positions under real partial RoPE; mean pooling does not."""
-    from uptrain.convert.fit import fit_keys_partial
+    from uptrain.convert.math.fit import fit_keys_partial
     gen = torch.Generator().manual_seed(heads)
     for new_kv, hd, rotary_dims in ((4, 8, 4), (8, 8, 2), (2, 8, 6)):
         d = 20
@@ -567,7 +567,7 @@ def test_linear_key_fit_minimises_its_documented_objective():
     """fit_linear_keys on random inputs: its documented objective, measured on its outputs, equals
     the closed-form minimum (Eckart–Young on the stacked query-weighted whitened keys, computed here
     with other factorisations) and is never above mean pooling's."""
-    from uptrain.convert.fit import fit_linear_keys
+    from uptrain.convert.math.fit import fit_linear_keys
     gen = torch.Generator().manual_seed(0)
     for trial in range(30):
         g, n = int(torch.randint(2, 9, (), generator=gen)), int(torch.randint(1, 6, (), generator=gen))

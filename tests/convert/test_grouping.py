@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from uptrain.convert import grouping
-from uptrain.convert.fit import rotary_planes
-from uptrain.convert.grouping import equal_groups, head_similarity
+from uptrain.convert.math import grouping
+from uptrain.convert.math.fit import rotary_planes
+from uptrain.convert.math.grouping import equal_groups, head_similarity
 from uptrain.convert import RECORD_FILE
 from uptrain.convert.__main__ import main
 

@@ -5,7 +5,7 @@ import torch
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from uptrain.units import kv_cache_bytes_per_token
-from uptrain.convert.heads import divisors, merge_qkv, pool_heads, repeat_heads, split_qkv
+from uptrain.convert.math.heads import divisors, merge_qkv, pool_heads, repeat_heads, split_qkv
 
 KV, G, HD, HIDDEN = 4, 3, 5, 7
 

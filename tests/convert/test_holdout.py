@@ -14,10 +14,10 @@ from conftest import EXAMPLE_MHA8, TRAIN_TXT, real_config
 from families import GQA_TYPES, tiny_config
 from tiny import random_model, scaled_config
 from uptrain.convert.__main__ import main
-from uptrain.convert.calibrate import calibration_sequences, read_calibration_texts
-from uptrain.convert.refine import (MIN_HOLDOUT_TOKENS, attention_modules, call_with, capture, refine_attention,
+from uptrain.convert.layers.calibrate import calibration_sequences, read_calibration_texts
+from uptrain.convert.math.refine import (MIN_HOLDOUT_TOKENS, attention_modules, call_with, capture, refine_attention,
                                     relative_error, split_held_out)
-from uptrain.convert.refine_layer import probe_seconds_per_step
+from uptrain.convert.layers.refine_layer import probe_seconds_per_step
 
 
 def _reachable(sizes: list[int], cap: int) -> int:

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, real_config
 from tiny import random_model, save, scaled_config
-from uptrain.convert.calibrate import Calibration
+from uptrain.convert.layers.layer import LayerGone
+from uptrain.convert.layers.calibrate import Calibration
 
 SMALL = dict(hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=3,
              intermediate_size=32, vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -51,7 +53,7 @@ def with_tokenizer(folder: Path) -> Path:
 def reference_moments(folder: Path, text: Path, tokens: int) -> dict[str, torch.Tensor]:
     """The calibration as it was before streaming, written out here: the whole float32 model, one
     forward per document window, hooks on q_proj/qkv_proj summing [x; 1][x; 1]ᵀ in float64."""
-    from uptrain.convert.calibrate import WINDOW, read_calibration_texts
+    from uptrain.convert.layers.calibrate import WINDOW, read_calibration_texts
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -121,53 +123,115 @@ def test_sharded_bf16_checkpoint_and_small_activation_limit(tmp_path, one_torch_
     assert exact.record["activations"] == "float32" and narrow.record["activations"] == "bfloat16"
 
 
-def test_layer_state_holds_the_attention_inputs(tmp_path, one_torch_thread):
+def test_a_layer_holds_the_attention_inputs_until_the_stream_moves_on(tmp_path, one_torch_thread):
     """For refinement: after sigma(layer), the layer's attention module and its inputs per
-    sequence are there, and calling the attention on them reproduces the moments' inputs."""
+    sequence are there, and calling the attention on them reproduces the moments' inputs; once the
+    stream runs the next layer, asking the old one for them is an error naming why, not None."""
     folder = EXAMPLE_MHA8
-    calibration = Calibration(TRAIN_TXT, 600, keep_attention_inputs=True).bind(folder)
+    calibration = Calibration(TRAIN_TXT, 600, keep="attention").bind(folder)
     sigma = calibration.sigma("model.layers.1.self_attn.")
-    state = calibration.state("model.layers.1.self_attn.")
-    assert state is not None and state.index == 1 and calibration.state("model.layers.0.self_attn.") is None
-    x = torch.cat(state.attention_inputs).double()
+    layer = calibration.layer("model.layers.1.self_attn.")
+    assert layer.index == 1 and layer.state == "ran"
+    with pytest.raises(LayerGone, match="layer 0 no longer holds .* moved on to layer 1"):
+        calibration.layer("model.layers.0.self_attn.").recorded()
+    recorded = layer.recorded()
+    x = torch.cat(recorded.inputs).double()
     x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
     torch.testing.assert_close(x.T @ x / len(x), sigma, rtol=1e-9, atol=1e-9)
     # its recorded outputs (refinement's targets) are what the whole model's attention gives
-    from uptrain.convert.calibrate import calibration_sequences, read_calibration_texts
-    from uptrain.convert.refine import capture
+    from uptrain.convert.layers.calibrate import calibration_sequences, read_calibration_texts
+    from uptrain.convert.math.refine import capture
 
     sequences, _, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), AutoTokenizer.from_pretrained(folder),
-                                            600, 512)
+                                               600, 512)
     whole = capture(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
                     [torch.tensor(x) for x in sequences], layers=[1])[1]
-    assert len(whole.outputs) == len(state.attention_outputs) == len(state.attention_inputs)
-    for mine, theirs, x, y in zip(state.attention_outputs, whole.outputs, state.attention_inputs, whole.inputs):
+    assert len(whole.outputs) == len(recorded.outputs) == len(recorded.inputs)
+    for mine, theirs, x, y in zip(recorded.outputs, whole.outputs, recorded.inputs, whole.inputs):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    module = layer.module
     calibration.sigma("model.layers.2.self_attn.")
-    assert state.layer.self_attn.q_proj.weight.is_meta and not state.attention_inputs  # layer 1 freed
+    assert layer.state == "freed" and module.self_attn.q_proj.weight.is_meta and not recorded.inputs  # layer 1 freed
+    for ask in (layer.recorded, lambda: layer.attention, lambda: layer.module, layer.moments):
+        with pytest.raises(LayerGone, match="layer 1"):
+            ask()
 
 
-
-@pytest.mark.parametrize("keep", ["nothing", "attention", "layer"])
+@pytest.mark.parametrize("keep", ["moments", "attention", "layer"])
 def test_the_layer_just_run_keeps_only_what_the_conversion_uses(keep, one_torch_thread):
     """After sigma(layer): calibration alone frees the whole layer (the fit reads the checkpoint);
     refinement on the original inputs keeps the attention's inputs and recorded outputs (its targets)
     but none of the layer's weights (stories260K's attention is projections only: no norms); on the
-    converted inputs the whole layer stays (it runs again). The moments are the same in every case."""
-    calibration = Calibration(TRAIN_TXT, 600, keep_attention_inputs=keep != "nothing",
-                              keep_converted=keep == "layer").bind(EXAMPLE_MHA8)
+    converted inputs the whole layer stays (it runs again). The moments are the same in every case,
+    and what a layer did not keep is an error to ask for."""
+    calibration = Calibration(TRAIN_TXT, 600, keep=keep).bind(EXAMPLE_MHA8)
     sigma = calibration.sigma("model.layers.1.self_attn.")
-    state = calibration.stream.current
-    metas = [p.is_meta for p in state.layer.parameters()]
+    layer = calibration.layer("model.layers.1.self_attn.")
+    metas = [p.is_meta for p in layer.module.parameters()]
     assert all(metas) if keep != "layer" else not any(metas)
-    sequences = len(calibration.stream.activations)
-    assert len(state.attention_inputs) == (0 if keep == "nothing" else sequences)
-    assert len(state.attention_outputs) == (sequences if keep == "attention" else 0)
-    for x, y in zip(state.attention_inputs, state.attention_outputs):
-        assert y.shape == x.shape and y.dtype == torch.float32 and torch.isfinite(y).all()
-    reference = Calibration(TRAIN_TXT, 600, keep_attention_inputs=True, keep_converted=True).bind(EXAMPLE_MHA8)
+    sequences = len(calibration.windows()[0])
+    if keep == "attention":
+        recorded = layer.recorded()
+        assert len(recorded.inputs) == len(recorded.outputs) == sequences
+        for x, y in zip(recorded.inputs, recorded.outputs):
+            assert y.shape == x.shape and y.dtype == torch.float32 and torch.isfinite(y).all()
+    else:
+        with pytest.raises(LayerGone, match=f"kept only {keep}"):
+            layer.recorded()
+    if keep == "layer":
+        assert len(layer.inputs_on(calibration.first_inputs()).inputs) == sequences
+    else:
+        with pytest.raises(LayerGone, match=f"kept only {keep}"):
+            layer.inputs_on([])
+    reference = Calibration(TRAIN_TXT, 600, keep="layer").bind(EXAMPLE_MHA8)
     torch.testing.assert_close(sigma, reference.sigma("model.layers.1.self_attn."), rtol=0, atol=0)
+
+
+def test_users_of_one_stream_each_get_every_layer_and_the_stream_runs_once(one_torch_thread):
+    """A sweep's K/V counts read one stream, each in its own thread: each user gets every layer's
+    moments (equal to a one-user calibration's), the stream runs each layer once, and a layer is
+    freed only when every user has moved past it (the slow user still finds its recordings)."""
+    import threading
+
+    prefixes = [f"model.layers.{i}.self_attn." for i in range(5)]
+    single = Calibration(TRAIN_TXT, 600).bind(EXAMPLE_MHA8)
+    expected = [single.sigma(p) for p in prefixes]
+    shared = Calibration(TRAIN_TXT, 600, keep="attention", users=3).bind(EXAMPLE_MHA8)
+    got: dict[int, list] = {u: [] for u in range(3)}
+    errors = []
+
+    def user(u: int) -> None:
+        try:
+            for p in prefixes:
+                got[u].append(shared.sigma(p, u))
+                if u == 2:  # the slowest: its layer must still hold what was recorded
+                    time.sleep(0.05)
+                    assert len(shared.layer(p, u).recorded().inputs) > 0
+            shared.leave(u)
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+            shared.leave(u, failed=repr(err))
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert shared.record["layers_run"] == 5 and shared.record["passes"] == 1
+    for u in range(3):
+        for mine, theirs in zip(got[u], expected):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_a_user_that_fails_stops_the_others_waiting(one_torch_thread):
+    """One user ending with an error (its conversion failed) ends the others' waits with an error,
+    instead of leaving them blocked on a layer it will never move past."""
+    shared = Calibration(TRAIN_TXT, 600, users=2).bind(EXAMPLE_MHA8)
+    shared.sigma("model.layers.0.self_attn.", 0)
+    shared.leave(1, failed="RuntimeError('boom')")
+    with pytest.raises(RuntimeError, match="stopped: RuntimeError..boom"):
+        shared.sigma("model.layers.1.self_attn.", 0)
 
 
 # ------------------------------------------------------------------ memory: one layer, not the model
@@ -178,7 +242,7 @@ RSS_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     import transformers.models.llama.modeling_llama, tokenizers
     from transformers import AutoTokenizer, AutoConfig, AutoModelForCausalLM
-    from uptrain.convert.calibrate import Calibration
+    from uptrain.convert.layers.calibrate import Calibration
 
     def status(key):  # kB -> bytes; VmHWM, not ru_maxrss, which Linux carries over from the forking parent
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))

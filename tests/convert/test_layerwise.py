@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from uptrain.convert import convert
-from uptrain.convert.source import SourceCheckpoint
+from uptrain.convert.io.source import SourceCheckpoint
 
 
 @pytest.fixture
@@ -41,8 +41,8 @@ def test_refine_reads_every_source_tensor_once(method, mha8: Path, tmp_path, rea
     """--refine too: the calibration stream reads each layer's tensors once (as float32 modules), the
     conversion once more for the layer's first output; nothing is read a third time."""
     from conftest import TRAIN_TXT
-    from uptrain.convert.calibrate import Calibration
-    from uptrain.convert.refine_layer import RefineSettings
+    from uptrain.convert.layers.calibrate import Calibration
+    from uptrain.convert.layers.refine_layer import RefineSettings
 
     convert(str(mha8), tmp_path / "out", 2, method, calibration=Calibration(TRAIN_TXT, 600),
             refine=RefineSettings(steps=2))

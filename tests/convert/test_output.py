@@ -109,7 +109,7 @@ def test_a_forced_replacement_reaches_the_disk_before_the_old_output_leaves(mha8
     """--force over an existing output: every new file is fsynced before the swap; on the two-step
     path the 'complete' mark is synced (parent folder) before the old output moves, and the
     parent again after the new one is in place."""
-    from uptrain.convert import output_dir as shards
+    from uptrain.convert.io import output_dir as shards
     out = (tmp_path / "out").resolve()
     convert(str(mha8), out, 4)
     events: list[tuple] = []

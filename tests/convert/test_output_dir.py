@@ -1,4 +1,4 @@
-"""The all-or-nothing output folder (`uptrain.convert.output_dir`): a failure leaves the old
+"""The all-or-nothing output folder (`uptrain.convert.io.output_dir`): a failure leaves the old
 state, a kill at any step of a --force swap leaves DIR old or complete new, and the next run cleans up."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from uptrain.errors import UsageError
-from uptrain.convert.output_dir import atomic_output_dir
+from uptrain.convert.io.output_dir import atomic_output_dir
 
 
 def test_atomic_output_dir_leaves_nothing_on_failure_and_keeps_the_old_output(tmp_path):
@@ -35,7 +35,7 @@ def test_atomic_output_dir_leaves_nothing_on_failure_and_keeps_the_old_output(tm
 SWAP_SCRIPT = textwrap.dedent("""
     import os, shutil, signal, sys
     from pathlib import Path
-    from uptrain.convert import output_dir as shards
+    from uptrain.convert.io import output_dir as shards
     out, mode = Path(sys.argv[1]).resolve(), sys.argv[2]
     if mode.startswith("two-step"):  # as where the OS or filesystem has no atomic exchange
         shards.exchange_paths = lambda a, b: False
@@ -79,7 +79,7 @@ def contents(folder: Path) -> dict[str, str]:
 
 
 def exchange_supported(tmp_path: Path) -> bool:
-    from uptrain.convert import output_dir as shards
+    from uptrain.convert.io import output_dir as shards
     a, b = tmp_path / "probe-a", tmp_path / "probe-b"
     a.mkdir()
     b.mkdir()
@@ -96,7 +96,7 @@ def test_a_kill_during_the_swap_leaves_old_or_new_and_the_next_run_cleans_up(tmp
     """SIGKILL at each step of replacing an existing output: the next run (here its first step,
     check_output_path, which refuses to replace without --force) finds `out` whole, old or new, and
     no hidden leftovers; a run after that replaces it normally."""
-    from uptrain.convert.output_dir import check_output_path
+    from uptrain.convert.io.output_dir import check_output_path
     if mode == "exchange" and sys.platform.startswith("linux") and not exchange_supported(tmp_path):
         pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
     out = killed_swap(tmp_path, mode)
@@ -115,7 +115,7 @@ def test_a_kill_during_the_swap_leaves_old_or_new_and_the_next_run_cleans_up(tmp
 def test_recovery_restores_an_old_output_alone_and_leaves_live_runs_alone(tmp_path):
     """No `out` and only the moved-aside old output (a name without PID, as older versions wrote it):
     it is put back. Folders of a live process (here this one) are not touched."""
-    from uptrain.convert.output_dir import recover_output
+    from uptrain.convert.io.output_dir import recover_output
     out = tmp_path / "out"
     old = tmp_path / ".out.old-deadbeef"
     old.mkdir()
@@ -130,7 +130,7 @@ def test_recovery_restores_an_old_output_alone_and_leaves_live_runs_alone(tmp_pa
 
 
 def test_exchange_paths_swaps_two_folders(tmp_path):
-    from uptrain.convert.output_dir import exchange_paths
+    from uptrain.convert.io.output_dir import exchange_paths
     a, b = tmp_path / "a", tmp_path / "b"
     for folder in (a, b):
         folder.mkdir()

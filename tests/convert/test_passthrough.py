@@ -14,9 +14,9 @@ from transformers import LlamaConfig
 from tiny import random_model, save
 from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert import __main__ as cli
-from uptrain.convert.passthrough import DTYPE_BYTES, kept_by_pooling, stored_tensors
+from uptrain.convert.io.passthrough import DTYPE_BYTES, kept_by_pooling, stored_tensors
 from uptrain.convert.pipeline import kept_ranges, prepare
-from uptrain.convert.source import DTYPE_NAMES, SAFETENSORS_DTYPES, open_checkpoint
+from uptrain.convert.io.source import DTYPE_NAMES, SAFETENSORS_DTYPES, open_checkpoint
 
 
 @pytest.fixture(scope="module")

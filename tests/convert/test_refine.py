@@ -1,4 +1,4 @@
-"""Layer-wise reconstruction (uptrain.convert.refine), proven on real transformers models."""
+"""Layer-wise reconstruction (uptrain.convert.math.refine), proven on real transformers models."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoTokenizer
 from conftest import EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, real_config
 from tiny import load, random_model, save, scaled_config
 from uptrain.convert import convert
-from uptrain.convert.calibrate import Calibration, calibration_sequences, read_calibration_texts
-from uptrain.convert.refine import attention_modules, capture, call_with, refine_attention, refine_model
+from uptrain.convert.layers.calibrate import Calibration, calibration_sequences, read_calibration_texts
+from uptrain.convert.math.refine import attention_modules, capture, call_with, refine_attention, refine_model
 from uptrain.measure.eval import evaluate, tokenize_texts
 
 FAST = dict(steps=40, eval_every=10, patience=2, batch=4, lr=3e-3)

@@ -14,8 +14,8 @@ from test_layer_stream import with_tokenizer
 from tiny import load, random_model, save, scaled_config
 from uptrain.convert import convert
 from uptrain.convert.__main__ import main
-from uptrain.convert.calibrate import calibration_sequences, read_calibration_texts
-from uptrain.convert.refine import refine_model
+from uptrain.convert.layers.calibrate import calibration_sequences, read_calibration_texts
+from uptrain.convert.math.refine import refine_model
 from uptrain.measure.eval import evaluate, tokenize_texts
 
 TOKENS, STEPS = 1200, 30
@@ -213,14 +213,15 @@ def test_while_a_layer_is_refined_the_original_layer_is_freed(inputs, tmp_path, 
     `--refine-inputs converted` runs it again. Seen through the real refine_attention, called through."""
     import inspect
 
-    from uptrain.convert import refine, refine_layer
+    from uptrain.convert.layers import refine_layer
+    from uptrain.convert.math import refine
 
     seen: list[tuple[bool, bool]] = []
     real = refine.refine_attention
 
     def spy(*args, **kwargs):
-        state = inspect.currentframe().f_back.f_locals["state"]  # LayerRefiner.__call__'s layer state
-        metas = [p.is_meta for p in state.layer.parameters()]
+        layer = inspect.currentframe().f_back.f_locals["original"]  # LayerRefiner.__call__'s `Layer`
+        metas = [p.is_meta for p in layer.module.parameters()]
         seen.append((all(metas), any(metas)))
         return real(*args, **kwargs)
 

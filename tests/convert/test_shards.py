@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from uptrain.errors import UsageError
-from uptrain.convert.source import TensorSpec
-from uptrain.convert.shards import ShardWriter, finish_shards, plan_shards
+from uptrain.convert.io.source import TensorSpec
+from uptrain.convert.io.shards import ShardWriter, finish_shards, plan_shards
 from uptrain.units import parse_size
 
 
@@ -136,7 +136,7 @@ def test_copy_range_by_every_path(tmp_path, monkeypatch, available):
     """The kernel copy, sendfile and the portable read/write loop append the same bytes."""
     import os
 
-    from uptrain.convert import shards
+    from uptrain.convert.io import shards
     for name in ("copy_file_range", "sendfile"):
         if name not in available and hasattr(os, name):
             monkeypatch.delattr(os, name)

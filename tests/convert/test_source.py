@@ -15,7 +15,7 @@ import torch
 
 from local_hub import LocalHub
 from tiny import load, logits
-from uptrain.convert.source import auxiliary_files, open_checkpoint
+from uptrain.convert.io.source import auxiliary_files, open_checkpoint
 from uptrain.convert.__main__ import main
 
 IDS = torch.tensor([[1, 403, 407, 261, 378, 13, 55]])

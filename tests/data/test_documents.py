@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from uptrain.convert.calibrate import read_calibration_texts
+from uptrain.convert.layers.calibrate import read_calibration_texts
 from uptrain.data import DataSource, documents, read_documents
 
 # Whitespace-only lines, indented first lines, runs of blank lines, a last line without newline:

@@ -251,7 +251,7 @@ def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path
 
 
 def _safetensors_dtypes(folder) -> set[str]:
-    from uptrain.convert.passthrough import read_header
+    from uptrain.convert.io.passthrough import read_header
 
     return {meta["dtype"] for file in folder.glob("*.safetensors")
             for name, meta in read_header(file)[0].items() if name != "__metadata__"}

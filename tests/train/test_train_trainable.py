@@ -14,7 +14,7 @@ from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
 from uptrain.train.run_state import complete_checkpoints
-from uptrain.convert.architectures import attention_for
+from uptrain.convert.registry.architectures import attention_for
 from uptrain.train.trainable import apply_trainable, is_trainable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

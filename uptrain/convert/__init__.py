@@ -1,18 +1,15 @@
 """The conversion job: MHA (or GQA) checkpoint -> GQA checkpoint with fewer K/V heads.
 
-Modules, from facts to I/O:
-- architectures: the registry (where each family keeps its K/V weights, as data)
-- hfconfig: reading attention shapes from a config, writing the target config.json
-- heads: pure head math on tensors (pool, repeat, split/merge fused layouts)
-- tensors: which output tensor comes from which source tensors by which rule
-- source: reading source checkpoints (local or Hub; safetensors headers, .bin)
-- shards: the streaming safetensors shard writer; output_dir: the all-or-nothing output folder
-- fit, grouping: the closed-form fit and head grouping (pure math); layerwise: a layer's attention
-  tensors made together (`--method fit`, `--grouping similar`, `--refine`)
-- calibrate, layer_stream: `--calib`, the original model run one decoder layer at a time
-- refine, refine_layer: `--refine`, each converted attention layer tuned to the original's output
-- plan, modelcard: what is printed and written about a conversion
-- pipeline: prepare + write; __main__: the CLI
+Rooms, from the ground up (each imports only the rooms above it in this list):
+- registry/: families as data (architectures) and the options' vocabularies (choices)
+- io/: checkpoint I/O: source, passthrough (tensors kept byte for byte), shards (the streaming
+  writer), output_dir (all-or-nothing), hfconfig (attention shapes; the target config.json)
+- math/: pure tensor math: heads (pool, repeat, fused layouts), fit, grouping, refine
+- layers/: the model one decoder layer at a time: layer_stream (the stream and the `Layer` that
+  owns a layer's life), calibrate (`--calib`), layerwise (a layer's attention tensors made
+  together), refine_layer (`--refine` inside the stream)
+On top, in this folder: tensors (which output tensor comes from which source tensors by which
+rule), plan and modelcard (what is printed and written), pipeline (prepare + write), __main__ (the CLI).
 
 Python API: `from uptrain.convert import convert`.
 """

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from uptrain.cli import ArgParser, positive_int, prog_name
-from uptrain.convert.choices import GROUPINGS, METHODS, REFINE_INPUTS
-from uptrain.convert.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
-from uptrain.convert.output_dir import atomic_output_dir, check_output_path
-from uptrain.convert.shards import ShardWriter
+from uptrain.convert.registry.choices import GROUPINGS, METHODS, REFINE_INPUTS
+from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
+from uptrain.convert.io.output_dir import atomic_output_dir, check_output_path
+from uptrain.convert.io.shards import ShardWriter
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only, like the imports above
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPE_NAMES, parse_size
@@ -95,7 +95,7 @@ def _prepare_args(args: argparse.Namespace, calibration: Any = None) -> dict[str
 
     refine = None
     if args.refine:
-        from uptrain.convert.refine_layer import RefineSettings
+        from uptrain.convert.layers.refine_layer import RefineSettings
 
         refine = RefineSettings(args.refine_steps, args.refine_lr, args.refine_inputs,
                                 log=lambda line: print(line, flush=True))
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases) -> Any:
     """Plan (imports first), print the plan, then write both streams; None for a dry run."""
     with phases("import"):
-        from uptrain.convert.calibrate import Calibration
+        from uptrain.convert.layers.calibrate import Calibration
         from uptrain.convert.pipeline import prepare, write_converted
         from uptrain.convert.plan import format_plan
         from uptrain.threads import announce_threads, start_threads

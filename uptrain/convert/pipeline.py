@@ -21,19 +21,19 @@ from typing import Any
 
 import torch
 
-from uptrain.convert.calibrate import Calibration
-from uptrain.convert.layerwise import describe_layerwise, fit_refusal, layerwise_settings
-from uptrain.convert.refine_layer import LayerRefiner, RefineSettings, check_refine
-from uptrain.convert.passthrough import Phases, StoredRange, copy_beside
-from uptrain.convert.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
+from uptrain.convert.layers.calibrate import Calibration
+from uptrain.convert.layers.layerwise import describe_layerwise, fit_refusal, layerwise_settings
+from uptrain.convert.layers.refine_layer import LayerRefiner, RefineSettings, check_refine
+from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside
+from uptrain.convert.io.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
 from uptrain.errors import UsageError
-from uptrain.convert.hfconfig import attention_dims, load_hf_config, source_family, target_config
+from uptrain.convert.io.hfconfig import attention_dims, load_hf_config, source_family, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
-from uptrain.convert.heads import divisors
-from uptrain.convert.output_dir import atomic_output_dir, check_output_path, sync_tree
-from uptrain.convert.shards import ShardWriter, finish_shards
+from uptrain.convert.math.heads import divisors
+from uptrain.convert.io.output_dir import atomic_output_dir, check_output_path, sync_tree
+from uptrain.convert.io.shards import ShardWriter, finish_shards
 from uptrain.units import parse_size
 from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
 
@@ -108,8 +108,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     if refine is not None:
         refine.check()
         check_refine(family, full_config, method, calibration is not None)
-        calibration.keep_attention_inputs = True
-        calibration.keep_converted = refine.inputs == "converted"
+        calibration.keep = "layer" if refine.inputs == "converted" else "attention"
         why = fit_refusal(family, full_config, dims.head_dim) if method == "fit" else None
         if why:  # refine runs the family's own attention, so it can start from mean where the fit cannot
             start_method, start_note = "mean", f"refine starts from mean pooling: {why}"

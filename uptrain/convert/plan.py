@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from uptrain import __version__
-from uptrain.convert.architectures import Family
+from uptrain.convert.registry.architectures import Family
 from uptrain.units import kv_cache_bytes_per_token
-from uptrain.convert.tensors import AttentionDims, OutputTensor
+from uptrain.convert.io.hfconfig import AttentionDims
+from uptrain.convert.tensors import OutputTensor
 
 
 @dataclass

@@ -13,20 +13,11 @@ from typing import Any
 
 import torch
 
-from uptrain.convert.architectures import Family, KVTensor
-from uptrain.convert.source import TensorInfo, TensorSpec
+from uptrain.convert.registry.architectures import Family, KVTensor
+from uptrain.convert.io.hfconfig import AttentionDims
+from uptrain.convert.io.source import TensorInfo, TensorSpec
 from uptrain.errors import UsageError
-from uptrain.convert.heads import Method, merge_qkv, pool_heads, random_heads, repeat_heads, split_qkv
-
-
-@dataclass(frozen=True)
-class AttentionDims:
-    """The attention shape of a model: query heads, K/V heads, head_dim, layers."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
+from uptrain.convert.math.heads import Method, merge_qkv, pool_heads, random_heads, repeat_heads, split_qkv
 
 
 @dataclass(frozen=True)
@@ -165,7 +156,7 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
             f"{change.family.model_types[0]!r}-like weights; the checkpoint's tensor names are not the "
             f"ones this architecture uses")
     if change.layerwise is not None:
-        from uptrain.convert.layerwise import rewrite_outputs
+        from uptrain.convert.layers.layerwise import rewrite_outputs
         outputs = rewrite_outputs(outputs, infos, change)
     return outputs
 

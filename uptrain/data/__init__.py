@@ -14,7 +14,7 @@ In reading order:
                   budget) and `StreamSchedule` (the same for a stream, packed on the fly).
 
 The trainer (`uptrain.train.setup.build_data`) follows 1 -> 4; eval, the demo, the method
-bake-off and calibration (`uptrain.convert.calibrate`) follow 1 -> 2 and score or run the
+bake-off and calibration (`uptrain.convert.layers.calibrate`) follow 1 -> 2 and score or run the
 documents one by one (`uptrain.measure.eval.tokenize_texts`: no packing, no cache).
 This package imports neither torch nor `datasets` until data is read (the CLIs' --help is fast).
 """

@@ -27,7 +27,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
-from uptrain.convert.hfconfig import model_shape
+from uptrain.convert.io.hfconfig import model_shape
 from uptrain.measure.bench_llama import add_llama_args, llama_tables, run_llama_bench
 from uptrain.measure.models import LOAD_DTYPES, load_model, require_model_folder
 from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads

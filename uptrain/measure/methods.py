@@ -21,8 +21,8 @@ from pathlib import Path
 
 from uptrain.cli import ArgParser, positive_int, prog_name, write_json
 from uptrain.convert import convert
-from uptrain.convert.calibrate import Calibration
-from uptrain.convert.choices import GROUPINGS, METHODS
+from uptrain.convert.layers.calibrate import Calibration
+from uptrain.convert.registry.choices import GROUPINGS, METHODS
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts

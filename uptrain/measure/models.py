@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain.convert.source import missing_folder_hint
+from uptrain.convert.io.source import missing_folder_hint
 from uptrain.errors import UsageError
 from uptrain.units import DTYPES
 

@@ -225,7 +225,8 @@ def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
 def plot_sweep(points: Sequence[Mapping], out: str | Path) -> Figure:
     """The K/V trade curve (uptrain.sweep): held-out loss against KV-cache bytes per token, one line
     per method through its counts (each point labelled with its K/V heads), the source's loss as the
-    reference line. `points`: sweep.json's records, the source first."""
+    reference line. `points`: sweep.json's records, the source first. Records with
+    `loss_after_uptraining` (`--uptrain-tokens`) add a dashed second curve per method, same colour."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     source, rest = points[0], points[1:]
     by_method: dict[str, list[Mapping]] = defaultdict(list)
@@ -233,10 +234,17 @@ def plot_sweep(points: Sequence[Mapping], out: str | Path) -> Figure:
         by_method[p["method"]].append(p)
     for method, series in by_method.items():
         series = sorted(series, key=lambda p: p["kv_bytes_per_token"])
-        ax.plot([p["kv_bytes_per_token"] for p in series], [p["loss"] for p in series], marker="o", label=method)
+        (line,) = ax.plot([p["kv_bytes_per_token"] for p in series], [p["loss"] for p in series], marker="o",
+                          label=method)
         for p in series:
             ax.annotate(f"{p['kv_heads']}", (p["kv_bytes_per_token"], p["loss"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
+        after = [p for p in series if p.get("loss_after_uptraining") is not None]
+        if after:
+            tokens = sorted({p.get("uptrain_tokens") for p in after if p.get("uptrain_tokens")})
+            ax.plot([p["kv_bytes_per_token"] for p in after], [p["loss_after_uptraining"] for p in after],
+                    marker="s", linestyle="--", color=line.get_color(),
+                    label=f"{method}, uptrained {' / '.join(f'{t:,}' for t in tokens)} tokens")
     ax.axhline(source["loss"], color="grey", linestyle="--", label=f"source ({source['kv_heads']} K/V heads)")
     ax.scatter([source["kv_bytes_per_token"]], [source["loss"]], color="grey", zorder=3)
     ax.set_xscale("log", base=2)

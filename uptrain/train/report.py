@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from uptrain.convert.output_dir import atomic_output_dir
-from uptrain.convert.source import auxiliary_files
+from uptrain.convert.io.output_dir import atomic_output_dir
+from uptrain.convert.io.source import auxiliary_files
 
 
 class MetricsLog:

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 from accelerate import Accelerator
 
-from uptrain.convert.output_dir import fsync_path
+from uptrain.convert.io.output_dir import fsync_path
 from uptrain.errors import UsageError
 from uptrain.train.identity import config_identity, describe_changes, identity_changes
 from uptrain.train.preempt import signal_in_checkpoint_hook

@@ -17,8 +17,8 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from uptrain.convert.hfconfig import model_shape
-from uptrain.convert.source import open_checkpoint, resolve_source
+from uptrain.convert.io.hfconfig import model_shape
+from uptrain.convert.io.source import open_checkpoint, resolve_source
 from uptrain.errors import UsageError
 from uptrain.data import DataSource, documents, split_documents
 from uptrain.data.source import files_fingerprint

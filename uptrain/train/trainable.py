@@ -9,7 +9,7 @@
                (Phi-3 qkv_proj, Falcon query_key_value, GPTBigCode c_attn) train the fused matrix.
 
 The names are the model family's, from the converter's registry (`Family.modules` in
-uptrain/convert/architectures.py): the attention module (self_attn, self_attention, attn) and its
+uptrain/convert/registry/architectures.py): the attention module (self_attn, self_attention, attn) and its
 projections. Frozen parameters get requires_grad=False, so the optimizer (which takes only
 parameters that need gradients) never sees them.
 """
@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from uptrain.convert.architectures import Attention, attention_for, supported_model_types
+from uptrain.convert.registry.architectures import Attention, attention_for, supported_model_types
 from uptrain.errors import UsageError
 
 TRAINABLE = ("all", "attention", "kv")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
-from uptrain.convert.passthrough import SAFE_INDEX, StoredTensor, read_header
+from uptrain.convert.io.passthrough import SAFE_INDEX, StoredTensor, read_header
 from uptrain.errors import UsageError
 
 BIN_INDEX = "pytorch_model.bin.index.json"

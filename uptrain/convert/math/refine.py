@@ -25,12 +25,14 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from uptrain.convert.choices import REFINE_INPUTS
+from uptrain.convert.math.capture import Captured, recording
+from uptrain.convert.registry.choices import REFINE_INPUTS
 
 # the call that runs an attention module on calibration sequence i: (module, x [T, D], i) -> [T, D]
 AttentionCall = Callable[[nn.Module, Tensor, int], Tensor]
@@ -222,12 +224,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     the model's type (`Attention.module`: `self_attn`, `attn`, ...) directly under a numbered layer."""
     import re
 
-    from uptrain.convert.architectures import attention_for
+    from uptrain.convert.registry.architectures import attention_for
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     attention = attention_for(model_type) if model_type else None
     if attention is None:
-        raise ValueError(f"model type {model_type!r} is not in the registry (uptrain/convert/architectures.py)")
+        raise ValueError(f"model type {model_type!r} is not in the registry (uptrain/convert/registry/architectures.py)")
     pattern = re.compile(rf"(?:^|\.)(\d+)\.{re.escape(attention.module)}$")
     found = {int(m[1]): mod for name, mod in model.named_modules() if (m := pattern.search(name))}
     if not found or sorted(found) != list(range(len(found))):
@@ -235,38 +237,18 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [found[i] for i in range(len(found))]
 
 
-@dataclass
-class Captured:
-    """What one attention module saw and gave on each calibration sequence (batch dim dropped)."""
-
-    inputs: list[Tensor]  # [T_i, D] hidden_states after the layer's input norm
-    outputs: list[Tensor]  # [T_i, D] attention output (before the residual add)
-    kwargs: list[dict]  # the rest of its call: position_embeddings, attention_mask, position_ids, ...
-
-
 @torch.no_grad()
 def capture(model: nn.Module, sequences: Sequence[Tensor], layers: Sequence[int] | None = None) -> dict[int, Captured]:
     """Run `model` on each token sequence ([T] ids) and record the attention modules of `layers` (all: None)."""
     mods = attention_modules(model)
     wanted = range(len(mods)) if layers is None else layers
-    out = {i: Captured([], [], []) for i in wanted}
-
-    def hook(rec: Captured):
-        def record(_module, args, kwargs, output):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            rec.inputs.append(x[0].detach())
-            rec.outputs.append((output[0] if isinstance(output, tuple) else output)[0].detach())
-            rec.kwargs.append({k: v for k, v in kwargs.items()
-                               if k not in ("hidden_states", "cache", "past_key_values", "past_key_value")})
-        return record
-    handles = [mods[i].register_forward_hook(hook(out[i]), with_kwargs=True) for i in wanted]
+    out = {i: Captured() for i in wanted}
     device = next(model.parameters()).device
-    try:
+    with ExitStack() as hooks:
+        for i in wanted:
+            hooks.enter_context(recording(mods[i], out[i]))
         for ids in sequences:
             model(input_ids=ids.reshape(1, -1).to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
     return out
 
 

@@ -2,8 +2,8 @@
 
 The conversion builds attention layers in numeric order (`layerwise.rewrite_outputs`); asking for
 layer L's moments runs the calibration stream through layer L (`Calibration.sigma`), so right
-after the closed-form start (`layerwise.transform_layer`) the stream's `LayerState` holds layer L's
-ORIGINAL attention module and its inputs and call arguments on every calibration sequence. Here
+after the closed-form start (`layerwise.transform_layer`) the stream's `Layer` L (`layer.py`) holds
+the ORIGINAL attention module and its inputs, call arguments and outputs on every calibration sequence. Here
 the student (the family's own attention class built with the converted config, float32, on the
 calibration device) is loaded with the start, the targets are the original module's outputs on
 the original inputs, `refine.refine_attention` tunes it, and the refined tensors become the
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from uptrain.convert import refine
-from uptrain.convert.architectures import Family
-from uptrain.convert.choices import REFINE_INPUTS
+from uptrain.convert.math import refine
+from uptrain.convert.registry.architectures import Family
+from uptrain.convert.registry.choices import REFINE_INPUTS
 from uptrain.errors import UsageError
 
 
@@ -158,11 +158,13 @@ def probe_seconds_per_step(config: Any, length: int, batch: int, device: str, st
     return batch * sum(times) / len(times)
 
 
-def _student(state, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
-    """The family's attention class with the converted config, float32, holding `start`."""
+def _student(original, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
+    """The family's attention class with the converted config, float32, holding `start`; what the
+    conversion leaves unchanged (a shared key/query norm) copied from the `original` layer's attention."""
+    attention = original.attention
     config = copy.deepcopy(config)
-    config._attn_implementation = state.attention.config._attn_implementation  # the original's kernel
-    student = type(state.attention)(config, layer_idx=state.index).to(device, torch.float32)
+    config._attn_implementation = attention.config._attn_implementation  # the original's kernel
+    student = type(attention)(config, layer_idx=original.index).to(device, torch.float32)
     loaded: set[str] = set()
     with torch.no_grad():
         for module, role in family.modules.roles().items():
@@ -174,7 +176,7 @@ def _student(state, config: Any, family: Family, start: dict[str, Tensor], devic
             if key.startswith("norm:"):
                 student.get_parameter(key[5:]).copy_(value)
                 loaded.add(key[5:])
-        original = dict(state.attention.named_parameters())
+        original = dict(attention.named_parameters())
         for name, p in student.named_parameters():
             if name in loaded:
                 continue
@@ -186,55 +188,6 @@ def _student(state, config: Any, family: Family, start: dict[str, Tensor], devic
     return student
 
 
-def _attention_name(projection: str) -> str:
-    return projection.rsplit(".", 1)[0]  # 'self_attn.q_proj' -> 'self_attn'
-
-
-class _Stop(Exception):
-    pass
-
-
-@torch.no_grad()
-def _attention_inputs(state, activations: list[Tensor], kwargs: list[list[dict]]) -> tuple[list[Tensor], list[dict]]:
-    """The attention inputs and call arguments of decoder layer `state.layer` run on `activations`
-    (per sequence [T, D]); the layer stops at its attention (its input path is the original's)."""
-    device = next(state.layer.parameters()).device
-    xs: list[Tensor] = []
-    calls: list[dict] = []
-
-    def catch(_module, args, kw):
-        xs.append((args[0] if args else kw["hidden_states"])[0].float())
-        calls.append({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Stop
-    handle = state.attention.register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        for s, x in enumerate(activations):
-            try:
-                state.layer(x.to(device, torch.float32)[None], **kwargs[s][state.index])
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    return xs, calls
-
-
-@torch.no_grad()
-def _advance_converted(state, student: nn.Module, activations: list[Tensor], kwargs: list[list[dict]],
-                       projection: str) -> None:
-    """Run the converted layer (the original layer with `student` as its attention) over the
-    converted activations, in place: they become the next layer's converted inputs."""
-    device = next(state.layer.parameters()).device
-    name = _attention_name(projection)
-    state.layer.set_submodule(name, student)
-    try:
-        for s, x in enumerate(activations):
-            out = state.layer(x.to(device, torch.float32)[None], **kwargs[s][state.index])
-            out = out[0] if isinstance(out, tuple) else out
-            activations[s] = out[0].to("cpu", x.dtype)
-    finally:
-        state.layer.set_submodule(name, state.attention)
-
-
 @dataclass
 class LayerRefiner:
     """Refines each layer's start right after it is made (`Layerwise.refiner`)."""
@@ -242,8 +195,11 @@ class LayerRefiner:
     settings: RefineSettings
     family: Family
     config: Any  # the converted model's (text) config, a transformers PretrainedConfig
-    calibration: Any  # the bound `calibrate.Calibration` (keep_attention_inputs=True)
+    calibration: Any  # the bound `calibrate.Calibration` (keep='attention', or 'layer' for converted inputs)
     record: dict[str, Any] = field(default_factory=dict)  # the plan's `refinement`, filled layer by layer
+    user: int = 0  # which of the calibration's users this conversion is (a sweep's K/V count)
+    # `--refine-inputs converted`: this conversion's own model's activations entering the next layer
+    _converted: list[Tensor] | None = field(default=None, repr=False)
 
     def plan(self, dims, hidden: int, new_kv: int) -> dict[str, Any]:
         """The plan's `refinement` before any layer: `estimate`, what will be held out (the calibration
@@ -266,36 +222,44 @@ class LayerRefiner:
                 "probe": {**probe, "device": str(device), "sequence_tokens": length, "layers": dims.layers}}
 
     def __call__(self, layer: str, start: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The refined tensors of attention `layer` (its prefix) from its closed-form `start` (role.param -> tensor)."""
         began = time.perf_counter()
-        state = self.calibration.state(layer)
-        if state is None:
-            why = self.calibration.record.get("why_not_streamed")
-            if why:
-                raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do "
-                                 f"({why}); convert without --refine")
-            raise RuntimeError(f"the calibration stream is not at layer {layer.rstrip('.')} when it is refined")
-        if len(state.attention_inputs) < 2:
+        if not self.calibration.streamed:
+            raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do "
+                             f"({self.calibration.record.get('why_not_streamed')}); convert without --refine")
+        original = self.calibration.layer(layer, self.user)
+        student = _student(original, self.config, self.family, start, original.device)
+        inputs, call, targets = self._examples(original)
+        if len(inputs) < 2:
             raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
-                             f"{len(state.attention_inputs)}; raise --calib-tokens or use more documents")
-        device = self.calibration.stream.device  # the original's matrices are freed (meta) unless converted
-        student = _student(state, self.config, self.family, start, device)
-        stream = self.calibration.stream
-        converted = self.settings.inputs == "converted"
-        if converted:  # the converted model's own attention inputs (earlier layers refined)
-            inputs, kwargs = _attention_inputs(state, stream.converted, stream.kwargs)
-        else:
-            inputs, kwargs = [x.to(device) for x in state.attention_inputs], state.attention_kwargs
-        call = refine.call_with(kwargs)
-        if converted:  # targets: the ORIGINAL module's outputs on those inputs
-            with torch.no_grad():
-                targets = [call(state.attention, x, i) for i, x in enumerate(inputs)]
-        else:  # the same, recorded as the calibration ran it (its matrices are freed since)
-            targets = [y.to(device) for y in state.attention_outputs]
+                             f"{len(inputs)}; raise --calib-tokens or use more documents")
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
                                          lr=self.settings.lr, seed=self.settings.seed,
                                          documents=self.calibration.documents)
-        if converted:
-            _advance_converted(state, student, stream.converted, stream.kwargs, stream.projections[state.index])
+        if self._converted is not None:  # this layer converted: its outputs enter the next one
+            original.run_with(student, self._converted)
+        self._log(original.index, result, began)
+        return self._refined(student, start)
+
+    def _examples(self, original) -> tuple[list[Tensor], refine.AttentionCall, list[Tensor]]:
+        """The student's inputs, its call and its targets on the calibration sequences: the original
+        attention's recorded inputs and outputs, or (converted inputs) the attention inputs of this
+        conversion's own model (layers before refined) and the original module's outputs on them."""
+        device = original.device
+        if self.settings.inputs == "converted":
+            if self._converted is None:
+                self._converted = self.calibration.first_inputs()
+            captured = original.inputs_on(self._converted)
+            inputs, call = [x.to(device) for x in captured.inputs], refine.call_with(captured.kwargs)
+            with torch.no_grad():
+                targets = [call(original.attention, x, i) for i, x in enumerate(inputs)]
+            return inputs, call, targets
+        captured = original.recorded()  # the original's matrices are freed since: its outputs were recorded
+        return ([x.to(device) for x in captured.inputs], refine.call_with(captured.kwargs),
+                [y.to(device) for y in captured.outputs])
+
+    def _refined(self, student: nn.Module, start: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The student's trained tensors under the keys (and dtypes) of `start`."""
         params = dict(student.named_parameters())
         out = {}
         for module, role in self.family.modules.roles().items():
@@ -306,9 +270,11 @@ class LayerRefiner:
         for key in start:
             if key.startswith("norm:"):
                 out[key] = params[key[5:]].detach().to("cpu", start[key].dtype).contiguous()
-        row = {"layer": state.index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
+        return out
+
+    def _log(self, index: int, result, began: float) -> None:
+        row = {"layer": index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
         self.record.setdefault("layers", []).append(row)
         if self.settings.log:
-            self.settings.log(f"refine layer {state.index}: held-out error {result.error_before:.4f} -> "
+            self.settings.log(f"refine layer {index}: held-out error {result.error_before:.4f} -> "
                               f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)")
-        return out

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from uptrain.convert.architectures import FAMILIES  # plain data, no torch
+from uptrain.convert.registry.architectures import FAMILIES  # plain data, no torch
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from uptrain.convert.choices import METHODS, Method, QKVLayout  # noqa: F401 (re-exported)
+from uptrain.convert.registry.choices import METHODS, Method, QKVLayout  # noqa: F401 (re-exported)
 
 
 def _group_view(t: torch.Tensor, heads: int, groups: int) -> torch.Tensor:

@@ -9,14 +9,24 @@ so class defaults and attribute aliases (Falcon's n_head_kv, GPTBigCode's n_head
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from uptrain.convert.architectures import Family, family_for
+from uptrain.convert.registry.architectures import Family, family_for
 from uptrain.errors import UsageError
-from uptrain.convert.tensors import AttentionDims
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """The attention shape of a model: query heads, K/V heads, head_dim, layers."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
 
 
 def load_hf_config(raw: dict[str, Any]) -> PretrainedConfig:

@@ -8,7 +8,8 @@ the hidden states entering layer 0 (embedding scales, e.g. Gemma's, included) an
 keyword arguments (rotary position embeddings, masks per layer type, position ids). Then each
 layer in turn is materialised from the checkpoint (float32, on the device), every sequence is run
 through it, its attention-input second moment is recorded, its outputs become the next layer's
-inputs, and the layer goes back to meta.
+inputs, and the layer goes back to meta when the next one runs (`layer.Layer` owns each layer's
+life: what it keeps, what it answers, when it is freed).
 
 Memory: one decoder layer in float32, the activations (tokens x hidden, float32, or bfloat16 when
 float32 would exceed `activation_limit`), the embedding rows of the distinct tokens, and the
@@ -17,15 +18,14 @@ moments kept.
 
 from __future__ import annotations
 
-import ctypes
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from uptrain.convert.source import SourceCheckpoint, TensorInfo
+from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
+from uptrain.convert.layers.layer import Layer, LayerGone
 
 PROJECTIONS = ("q_proj", "qkv_proj")  # the attention's input projection: what it sees is the attention input
 
@@ -36,28 +36,6 @@ class StreamUnsupported(Exception):
 
 class _Caught(Exception):
     pass
-
-
-@dataclass
-class LayerState:
-    """Decoder layer `index` after the calibration sequences ran through it.
-
-    Valid until the stream advances: then `layer` goes back to meta and the lists are emptied. Right
-    after the run only what the conversion uses stays: where the attention inputs are kept (refinement
-    on the original inputs) those, the attention's outputs and its norms, not its projections; the whole
-    layer where the converted activations are kept too (`--refine-inputs converted`); none of the layer's
-    weights otherwise (the fit reads the checkpoint).
-    """
-
-    index: int
-    prefix: str  # tensor-name prefix of its attention, e.g. 'model.layers.3.self_attn.'
-    layer: nn.Module  # the decoder layer, float32 on the stream's device
-    attention: nn.Module  # its attention module (the original, unconverted)
-    sigma: torch.Tensor  # [D+1, D+1] float64: E[x̃ x̃ᵀ], x̃ = [x; 1], x the attention input
-    tokens: int  # rows of x averaged over
-    attention_inputs: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, D] float32, on CPU
-    attention_kwargs: list[dict[str, Any]] = field(default_factory=list)  # per sequence: attention(x, **kwargs)
-    attention_outputs: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, D] float32: its outputs
 
 
 def available_memory() -> int:
@@ -148,19 +126,6 @@ def _read_rows(source: SourceCheckpoint, info: TensorInfo, rows: torch.Tensor, c
     return torch.cat(parts)
 
 
-def trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere).
-
-    Layers freed one after another leave glibc's heap fragmented: measured on a 48-layer model of
-    width 512, RSS crept up ~5 MiB per layer (a 48-layer run ended 250 MiB above its start) and
-    stayed flat with a trim after each layer.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """Computed (non-meta) buffers onto `device`; meta parameters stay where they are."""
     for mod in module.modules():
@@ -172,19 +137,18 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 class LayerStream:
     """The decoder layers of a checkpoint run in order over `sequences` of token ids.
 
-    `advance()` runs the next layer and returns its `LayerState`; `prefixes[i]` is layer i's
-    attention prefix. Raises `StreamUnsupported` (at construction) where the model cannot be
-    split this way.
+    `advance()` runs the next layer and returns its `Layer` (which owns what was recorded, see
+    `layer.py`: keep and users are its); `prefixes[i]` is layer i's attention prefix. Raises
+    `StreamUnsupported` (at construction) where the model cannot be split this way.
     """
 
     def __init__(self, source: SourceCheckpoint, config: Any, sequences: list[list[int]], device: str = "cpu",
-                 activation_limit: int | None = None, keep_attention_inputs: bool = False,
-                 keep_converted: bool = False):
+                 activation_limit: int | None = None, keep: str = "moments", users: int = 1):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         self.source, self.device = source, torch.device(device)
-        self.keep_attention_inputs = keep_attention_inputs
+        self.keep, self.users = keep, users
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model = model.eval()
@@ -215,11 +179,17 @@ class LayerStream:
         limit = available_memory() // 2 if activation_limit is None else activation_limit
         self.activation_dtype = activation_dtype(tokens, self.hidden, limit)
         self.activations, self.kwargs = self._catch(sequences, embedding, self.infos[embed_name])
-        # `--refine-inputs converted`: the converted model's own activations, advanced by the caller
-        # (`refine_layer`) through each converted layer; None otherwise
-        self.converted = [a.clone() for a in self.activations] if keep_converted else None
+        # `--refine-inputs converted`: layer 0's inputs, where each conversion starts its own
+        # model's activations (`first_inputs`); None otherwise
+        self._first = [a.clone() for a in self.activations] if keep == "layer" else None
         self.position = 0  # the next layer to run
-        self.current: LayerState | None = None
+        self.current: Layer | None = None
+
+    def first_inputs(self) -> list[torch.Tensor]:
+        """A copy of the hidden states entering layer 0 (per sequence [T, D]), kept with keep='layer'."""
+        if self._first is None:
+            raise LayerGone("the stream keeps layer 0's inputs only with keep='layer' (--refine-inputs converted)")
+        return [a.clone() for a in self._first]
 
     @torch.no_grad()
     def _catch(self, sequences: list[list[int]], embedding: nn.Module, info: TensorInfo
@@ -267,89 +237,22 @@ class LayerStream:
         return layer
 
     def release(self) -> None:
-        """Free the current layer (back to meta) and its recorded attention inputs."""
+        """Free the layer run last (`Layer.free`): its module back to meta, its recordings dropped."""
         if self.current is not None:
-            self.current.layer.to("meta")
-            self.current.attention_inputs.clear()
-            self.current.attention_kwargs.clear()
-            self.current.attention_outputs.clear()
+            self.current.free(f"the stream moved on to layer {self.position}" if self.position < len(self.layers)
+                              else "the stream was released")
             self.current = None
-            trim_heap()
 
-    @torch.no_grad()
-    def advance(self) -> LayerState:
-        """Run the next decoder layer over every sequence; its outputs replace the activations."""
+    def advance(self) -> Layer:
+        """Free the layer run last, then run the next one over every sequence: its outputs replace
+        the activations, and the `Layer` returned holds what `keep` names."""
         if self.position >= len(self.layers):
             raise IndexError("every decoder layer has run")
         self.release()
         i = self.position
-        layer = self._materialise(i)
-        state = LayerState(i, self.prefixes[i], layer, layer.get_submodule(self.projections[i].rsplit(".", 1)[0]),
-                           torch.zeros(0), 0)
-        total: list[torch.Tensor] = []
-
-        def moments(_module, args):
-            state.tokens += add_moments(total, args[0])
-
-        def attention_inputs(_module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            state.attention_inputs.append(hidden[0].float().cpu())
-            state.attention_kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-
-        def attention_outputs(_module, _args, _kwargs, output):
-            state.attention_outputs.append((output[0] if isinstance(output, tuple) else output)[0].float().cpu())
-
-        handles = [layer.get_submodule(self.projections[i]).register_forward_pre_hook(moments)]
-        if self.keep_attention_inputs:
-            handles.append(state.attention.register_forward_pre_hook(attention_inputs, with_kwargs=True))
-            if self.converted is None:  # the targets of refinement on the original inputs
-                handles.append(state.attention.register_forward_hook(attention_outputs, with_kwargs=True))
-        try:
-            for s, x in enumerate(self.activations):
-                out = layer(x.to(self.device, torch.float32)[None], **self.kwargs[s][i])
-                out = out[0] if isinstance(out, tuple) else out
-                self.activations[s] = out[0].to("cpu", self.activation_dtype)
-        finally:
-            for h in handles:
-                h.remove()
-        state.sigma = total[0].div_(state.tokens).cpu()
         self.position += 1
-        self.current = state
-        self._keep_only_what_is_used(state)
-        return state
-
-    def _keep_only_what_is_used(self, state: LayerState) -> None:
-        """Free the parts of the layer just run that nothing uses while it is converted: the fit reads
-        the checkpoint itself; refinement on the original inputs needs the attention's recorded inputs
-        and outputs (its targets) and of the module only its norms (which a student may copy);
-        only `--refine-inputs converted` runs the layer again. At 70B widths the MLP alone is 2.6 GiB in
-        float32 and the attention's matrices 1 GiB, otherwise held through the layer's fit and refinement."""
-        if self.converted is None:
-            free_parameters(state.layer, keep=state.attention if self.keep_attention_inputs else None)
-            free_parameters(state.attention, linear_only=True)
-            trim_heap()
-
-
-def add_moments(total: list[torch.Tensor], x: torch.Tensor) -> int:
-    """Add x̃ᵀx̃ (float64, x̃ = [x; 1] per row) of attention inputs x [..., D] to total[0], in place
-    (no [D+1, D+1] temporaries: 512 MiB each at width 8192), or start it; returns the rows added."""
-    x = x.reshape(-1, x.shape[-1]).double()
-    x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], dim=1)
-    if total:
-        total[0].addmm_(x.T, x)
-    else:
-        total.append(x.T @ x)
-    return len(x)
-
-
-def free_parameters(module: nn.Module, keep: nn.Module | None = None, linear_only: bool = False) -> None:
-    """Move `module`'s parameters (except those of its submodule `keep`; with `linear_only`, only those
-    of its nn.Linear projections, not its norms) to the meta device, freeing their memory; the module
-    keeps its structure (shapes, dtypes) and runs no more."""
-    kept = {id(p) for p in keep.parameters()} if keep is not None else set()
-    for sub in module.modules():
-        if linear_only and not isinstance(sub, nn.Linear):
-            continue
-        for key, param in list(sub._parameters.items()):
-            if param is not None and id(param) not in kept and not param.is_meta:
-                sub._parameters[key] = nn.Parameter(param.to("meta"), requires_grad=False)
+        layer = Layer(i, self.prefixes[i], self._materialise(i), self.projections[i].rsplit(".", 1)[0],
+                      self.projections[i], [k[i] for k in self.kwargs], self.keep, self.users, self.device)
+        layer.run(self.activations, self.activation_dtype)
+        self.current = layer
+        return layer

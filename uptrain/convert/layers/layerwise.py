@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from uptrain.convert.architectures import Family
-from uptrain.convert.choices import GROUPINGS, Grouping
-from uptrain.convert.fit import fit_keys, fit_values, rotary_planes
-from uptrain.convert.grouping import group_permutation, head_similarity
-from uptrain.convert.heads import merge_qkv, repeat_heads, split_qkv
+from uptrain.convert.registry.architectures import Family
+from uptrain.convert.registry.choices import GROUPINGS, Grouping
+from uptrain.convert.math.fit import fit_keys, fit_values, rotary_planes
+from uptrain.convert.math.grouping import group_permutation, head_similarity
+from uptrain.convert.math.heads import merge_qkv, repeat_heads, split_qkv
 from uptrain.errors import UsageError
 
 
@@ -291,7 +291,7 @@ def _in_layer_order(outputs: list, family: Family) -> list:
     """The attention outputs moved into numeric layer order (0, 1, 2, ..., 10: tensor names sort
     10 before 2), the others left where they are: the calibration stream runs layer by layer, so
     layer L is built while the stream's state is at layer L (`--refine` needs its inputs)."""
-    from uptrain.convert.calibrate import layer_index
+    from uptrain.convert.layers.calibrate import layer_index
 
     def layer(name: str) -> str | None:
         p = family.attention.match(name)

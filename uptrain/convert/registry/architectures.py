@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 from uptrain.errors import UsageError
-from uptrain.convert.choices import QKVLayout
+from uptrain.convert.registry.choices import QKVLayout
 
 # How a rule's tensor holds heads:
 #   "heads":     first dim is kv_heads equal blocks (k_proj/v_proj weight or bias, per-head norm)
@@ -303,10 +303,10 @@ def markdown_table() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m uptrain.convert.architectures`: print the README's table of supported types."""
+    """`python -m uptrain.convert.registry.architectures`: print the README's table of supported types."""
     import argparse
 
-    argparse.ArgumentParser(prog="python -m uptrain.convert.architectures",
+    argparse.ArgumentParser(prog="python -m uptrain.convert.registry.architectures",
                             description="Print the markdown table of supported model types (from the "
                                         "registry), as README.md shows it.").parse_args(argv)
     print(markdown_table())

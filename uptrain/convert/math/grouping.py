@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from uptrain.convert.fit import sigma_factor
+from uptrain.convert.math.fit import sigma_factor
 
 
 def head_similarity(wk: torch.Tensor, wv: torch.Tensor, sigma: torch.Tensor, aligned: bool,

@@ -15,16 +15,20 @@ is cut by `text_unit` (default `paragraph`: documents separated by a blank line;
 from __future__ import annotations
 
 import re
+import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from uptrain.convert.layer_stream import (PROJECTIONS, LayerState, LayerStream, StreamUnsupported, activation_dtype,
-                                          add_moments, available_memory)
-from uptrain.convert.source import open_checkpoint, read_config
+from uptrain.convert.layers.layer import KEEP, Layer, LayerGone
+from uptrain.convert.layers.layer_stream import (PROJECTIONS, LayerStream, StreamUnsupported, activation_dtype,
+                                                 available_memory)
+from uptrain.convert.math.capture import Moments, summing_moments
+from uptrain.convert.io.source import open_checkpoint, read_config
 from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
 
@@ -93,34 +97,28 @@ def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> 
 
     The fallback where a model cannot be streamed layer by layer. Returns {prefix: [D+1, D+1] float64}.
     """
-    sums: dict[str, list[torch.Tensor]] = {}
-    counts: dict[str, int] = {}
-
-    def hook(prefix: str):
-        def pre(_module, args):
-            counts[prefix] = counts.get(prefix, 0) + add_moments(sums.setdefault(prefix, []), args[0])
-        return pre
-    handles = [module.register_forward_pre_hook(hook(name[: -len(leaf)]))
-               for name, module in model.named_modules()
-               for leaf in PROJECTIONS if name.endswith("." + leaf)]
-    if not handles:
+    sums = {name[: -len(leaf)]: (module, Moments()) for name, module in model.named_modules()
+            for leaf in PROJECTIONS if name.endswith("." + leaf)}
+    if not sums:
         raise UsageError("calibration found no q_proj/qkv_proj modules in the model")
-    try:
+    with ExitStack() as hooks:
+        for module, moments in sums.values():
+            hooks.enter_context(summing_moments(module, moments))
         for seq in sequences:
             model(input_ids=torch.tensor([seq], device=device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: (s[0] / counts[k]).cpu() for k, s in sums.items()}
+    return {prefix: moments.mean() for prefix, (_, moments) in sums.items()}
 
 
 @dataclass
 class Calibration:
-    """Attention-input moments of a model, computed layer by layer as they are asked for.
+    """Attention-input moments (and, for refinement, recordings) of a model, run layer by layer as asked.
 
     activation_limit: bytes the float32 activations (tokens x hidden x 4) may take before they are
     kept in bfloat16; None: half the memory available when the calibration starts.
-    keep_attention_inputs: record each layer's attention inputs and kwargs (`state`).
+    keep: what each layer keeps after its run (`layer.KEEP`): 'moments' for the fit, 'attention'
+    for refinement on the original inputs, 'layer' for refinement on the converted ones.
+    users: how many conversions read this one stream at once (a sweep's K/V counts, each in its own
+    thread, user 0..users-1): a layer is freed only once every user has moved past it.
     """
 
     path: Path
@@ -129,23 +127,28 @@ class Calibration:
     text_unit: str = DataSource.text_unit  # what one document of a .txt file is (as the trainer's data.*.text_unit)
     record: dict[str, Any] = field(default_factory=dict)  # what the conversion record says about it
     activation_limit: int | None = None
-    keep_attention_inputs: bool = False
-    keep_converted: bool = False  # also keep the converted model's activations (`--refine-inputs converted`)
-    _moments: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by decoder-layer index
-    _handed_out: set[int] = field(default_factory=set, repr=False)
+    keep: str = "moments"
+    users: int = 1
+    _layers: dict[int, Layer] = field(default_factory=dict, repr=False)  # run, moments not yet taken by all
+    _at: dict[int, float] = field(default_factory=dict, repr=False)  # user -> the layer it asked for last
+    _passed: set[int] = field(default_factory=set, repr=False)  # layers every user has taken
     _stream: LayerStream | None = field(default=None, repr=False)
     _started: bool = field(default=False, repr=False)
+    _failed: str = field(default="", repr=False)  # a user failed: the others stop waiting
     _model_dir: Path | None = field(default=None, repr=False)
     _windows: tuple | None = field(default=None, repr=False)  # calibration_sequences' answer, once
+    _turn: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise UsageError(f"--calib-tokens must be positive, got {self.tokens}")
+        if self.keep not in KEEP:
+            raise ValueError(f"keep must be one of {KEEP}, not {self.keep!r}")
         self.path = Path(self.path)
         read_calibration_texts(self.path, self.text_unit)  # fail now, before any work
         check_device(self.device)
         self.record.update(file=str(self.path), text_unit=self.text_unit, tokens_requested=self.tokens,
-                           device=self.device)
+                           device=self.device, passes=0)
 
     def bind(self, model_dir: Path) -> "Calibration":
         model_dir = Path(model_dir)
@@ -185,53 +188,109 @@ class Calibration:
             return self._stream.prefixes.index(layer)
         return layer_index(layer)
 
-    def sigma(self, layer: str) -> torch.Tensor:
-        """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.').
+    def sigma(self, layer: str, user: int = 0) -> torch.Tensor:
+        """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.'),
+        taken by `user` (once: at width 8192 it is 512 MiB). With one user, a layer whose moments it
+        took already (a second conversion, as the method bake-off does) runs the stream again."""
+        with self._turn:
+            index = self._started_index(layer)
+            found = self._layers.get(index)
+            if self.users == 1 and (index in self._passed or (found is not None and found.moments_left == 0)):
+                self._restart()
+                index = self._index(layer)
+            return self._layer(index, user, layer).moments()
 
-        Runs the stream up to that layer; the moments of layers passed over are kept until asked
-        for, and each layer's are handed out once (then forgotten: at width 8192 one is 512 MiB).
+    def layer(self, layer: str, user: int = 0) -> Layer:
+        """The `Layer` of attention prefix `layer` (either prefix, see `_index`), run by the stream.
+
+        Runs the stream up to it; layers passed over keep their moments until each user took them.
+        Asking for a layer means `user` is done with every layer before it: the stream frees the layer
+        run last once every user has asked for a later one (or has `leave`n). Blocks while other
+        users still hold the layer run last.
         """
-        if self._index(layer) in self._handed_out:  # a second conversion with this calibration: run again
-            self._restart()
+        with self._turn:
+            return self._layer(self._started_index(layer), user, layer)
+
+    def _started_index(self, layer: str) -> int:
         if not self._started:
             self._start()
-        index = self._index(layer)
-        while index not in self._moments and self._stream is not None and self._stream.position < len(
-                self._stream.layers):
-            start = time.perf_counter()
-            state = self._stream.advance()
-            self._moments[state.index] = state.sigma
-            self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
-            self.record["layers_run"] = self._stream.position
-        try:
-            sigma = self._moments.pop(index)  # the conversion asks once per layer: held no longer
-        except KeyError:
-            raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model") from None
-        self._handed_out.add(index)
-        return sigma
+        return self._index(layer)
+
+    def _layer(self, index: int, user: int, layer: str) -> Layer:
+        self._at[user] = index
+        self._turn.notify_all()
+        while True:
+            if self._failed:
+                raise RuntimeError(f"the calibration stream stopped: {self._failed}")
+            if index in self._layers:
+                return self._layers[index]
+            stream = self._stream
+            if stream is None or stream.position > index or stream.position >= len(stream.layers):
+                raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model")
+            if self._can_advance():
+                self._advance()
+            else:
+                self._turn.wait()
+
+    def _can_advance(self) -> bool:
+        current = self._stream.current
+        return current is None or all(self._at.get(u, -1) > current.index for u in range(self.users))
+
+    def _advance(self) -> None:
+        """Run the next layer; forget the layers that are freed and whose moments every user has."""
+        start = time.perf_counter()
+        layer = self._stream.advance()
+        for index in [i for i, done in self._layers.items() if done.state == "freed" and done.moments_left == 0]:
+            del self._layers[index]
+            self._passed.add(index)
+        self._layers[layer.index] = layer
+        self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
+        self.record["layers_run"] = self._stream.position
+
+    def leave(self, user: int, failed: str = "") -> None:
+        """`user` is done with every layer (its conversion ended); `failed`: it ended with this error,
+        and the users still waiting for the stream stop with it."""
+        with self._turn:
+            self._at[user] = float("inf")
+            if failed and self.users > 1:
+                self._failed = failed
+            self._turn.notify_all()
 
     def _restart(self) -> None:
-        """Forget the run so far: the next `sigma` runs the stream again from the first layer."""
+        """Forget the run so far: the stream runs again from the first layer."""
         if self._stream is not None:
             self._stream.release()
         self._stream, self._started = None, False
-        self._moments.clear()
-        self._handed_out.clear()
+        self._layers.clear()
+        self._passed.clear()
+        self._at.clear()
+        self._start()
 
-    @property
-    def stream(self) -> LayerStream | None:
-        """The layer stream (None before the first `sigma`, or where the model was run whole)."""
+    def first_inputs(self) -> list[torch.Tensor]:
+        """A copy of layer 0's inputs, where a conversion refining on its own inputs starts them."""
+        with self._turn:
+            if not self._started:
+                self._start()
+            return self._streaming().first_inputs()
+
+    def _streaming(self) -> LayerStream:
+        if self._stream is None:
+            why = self.record.get("why_not_streamed", "the calibration has not started")
+            raise LayerGone(f"the calibration was not run layer by layer ({why})")
         return self._stream
 
-    def state(self, layer: str) -> LayerState | None:
-        """The stream's state of `layer` (either prefix, see `sigma`) if it is the layer run last
-        (after `sigma(layer)`), else None (also where the model was not streamed)."""
-        current = self._stream.current if self._stream is not None else None
-        return current if current is not None and current.index == self._index(layer) else None
+    @property
+    def streamed(self) -> bool:
+        """Whether the model runs layer by layer (False where it was run whole: record['why_not_streamed'])."""
+        return self.record.get("mode") != "whole model"
 
     def windows(self) -> tuple[list[list[int]], list[int], int, int]:
         """`calibration_sequences` of the bound model's tokenizer and window (computed once): the
         token ids of each forward pass, its document, tokens used, documents used."""
+        with self._turn:
+            return self._tokenized()
+
+    def _tokenized(self) -> tuple[list[list[int]], list[int], int, int]:
         if self._windows is None:
             from transformers import AutoConfig, AutoTokenizer
 
@@ -254,14 +313,13 @@ class Calibration:
 
         start = time.perf_counter()
         self._started = True
+        self.record["passes"] += 1
         sequences, _, used, docs = self.windows()
         config = AutoConfig.from_pretrained(self._model_dir)
         self.record.update(tokens_used=used, documents=docs)
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,
-                                       activation_limit=self._limit(),
-                                       keep_attention_inputs=self.keep_attention_inputs,
-                                       keep_converted=self.keep_converted)
+                                       activation_limit=self._limit(), keep=self.keep, users=self.users)
             self.record.update(mode="layer by layer",
                                activations=str(self._stream.activation_dtype).removeprefix("torch."))
         except StreamUnsupported as why:
@@ -269,6 +327,9 @@ class Calibration:
 
             self.record.update(mode="whole model", why_not_streamed=str(why))
             model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=torch.float32).to(self.device).eval()
-            self._moments = {layer_index(k): v for k, v in whole_model_moments(model, sequences, self.device).items()}
+            moments = whole_model_moments(model, sequences, self.device)
             del model
-        self.record["seconds"] = round(time.perf_counter() - start, 2)
+            reason = f"the model was run whole: {why}"
+            self._layers = {layer_index(k): Layer.moments_only(layer_index(k), k, v, self.users, reason)
+                            for k, v in moments.items()}
+        self.record["seconds"] = round(self.record.get("seconds", 0) + time.perf_counter() - start, 2)

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from uptrain.convert.passthrough import SAFE_INDEX, StoredTensor
+from uptrain.convert.io.passthrough import SAFE_INDEX, StoredTensor
 
 if TYPE_CHECKING:
     import torch
@@ -130,7 +130,7 @@ class ShardWriter:
         """Append the next planned tensor; its name, shape and dtype must match the plan."""
         import torch
 
-        from uptrain.convert.source import DTYPE_NAMES
+        from uptrain.convert.io.source import DTYPE_NAMES
 
         self._next(name, tuple(tensor.shape), DTYPE_NAMES[tensor.dtype])
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
