@@ -78,6 +78,10 @@ def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path
     assert list(_points(out)) == ["source", "fit kv4", "fit kv2", "fit kv1"]
     assert (out / "kv4" / "config.json").stat().st_mtime_ns == before  # not converted again
     assert _points(out)["fit kv4"]["settings"]["calib_tokens"] == 2048
+    for count in (4, 2, 1):  # the counts of a run were converted together: one calibration pass for all
+        record = json.loads((out / f"kv{count}" / "uptrain_conversion.json").read_text())
+        assert record["calibration"]["passes"] == 1 and record["calibration"]["layers_run"] == 5, record["calibration"]
+        assert any(n.startswith("converted together with K/V counts") for n in record["notes"]), record["notes"]
 
 
 UPTRAIN = ["--uptrain-tokens", "4096", "--train-data", str(TRAIN_TXT)]  # one optimizer step of the recipe

@@ -2,6 +2,7 @@
 
     python -m uptrain.sweep CKPT --data HELD_OUT [--calib FILE] [--method fit] [--refine]
                             [--kv-heads 4,2,1 | all] [--baseline mean] --out DIR
+                            [--bench [--runtime llama.cpp]] [--uptrain-tokens N [--train-data FILE]]
 
 Converts CKPT to each K/V head count (default: every count below the source's that it can take),
 scores each on held-out text within the model's context with `uptrain.eval`'s own code, and
@@ -11,6 +12,11 @@ measures the KV cache per token and at the model's full context for `--batch` se
   DIR/sweep.json    one record per count and the source: kv_heads, loss, perplexity,
                     kv_bytes_per_token, kv_bytes_at_context, the conversion settings, seconds
   DIR/sweep.png     loss against KV bytes per token, the source as the reference line
+  DIR/kv{N}-uptrained/  with --uptrain-tokens N: the uptraining run of each count (model/ inside)
+
+`--bench` adds each folder's decode tokens/s (uptrain.bench's timer), `--uptrain-tokens N` a short
+uptraining of each converted folder with the project's recipe and its loss after it (a second
+curve on sweep.png, a second recommendation): uptrain.sweep_extras.
 
 and prints the table and a recommendation: the smallest count whose loss is within
 `--max-loss-increase` (default 1%) of the source's, or a plain statement that none is.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +41,7 @@ from uptrain.convert.registry.choices import GROUPINGS, METHODS
 from uptrain.convert.io.hfconfig import model_shape, source_family
 from uptrain.convert.math.heads import divisors
 from uptrain.convert.pipeline import check_kv_heads
+from uptrain.convert.plan import human_seconds
 from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.sweep_extras import add_extra_args, after_uptraining, check_extras, notes, run_extras, table_columns
@@ -155,27 +163,33 @@ def main(argv: list[str] | None = None) -> int:
     announce_threads()
     args.out.mkdir(parents=True, exist_ok=True)
     done = _read_points(args.out)
-    points = [done.get("source") or _score(folder, "source", "source", shape.kv_heads, {}, texts, max_length, stride,
-                                           args.batch, 0.0)]
+    points = [done.get("source") or _score(folder, "source", "source", shape.kv_heads, {}, 0.0, texts, max_length,
+                                           stride, args.batch)]
     _write_points(args.out, points)
+    score_s = points[0].seconds
     for method in methods:
+        kept = {}
         for count in counts:
             point = done.get(f"{method} kv{count}")
-            if point is None or not Path(point.folder).is_dir() or not _same_settings(point, args, method):
-                point = _convert_and_score(args, folder, method, count, shape.kv_heads, texts, max_length, stride)
-            else:
+            if point is not None and Path(point.folder).is_dir() and _same_settings(point, args, method):
                 print(f"== {point.label}: kept from the earlier run ({point.folder})", flush=True)
-            points.append(point)
+                kept[count] = point
+        todo = [n for n in counts if n not in kept]
+        made = _convert_together(args, folder, method, todo, shape.kv_heads, score_s) if todo else {}
+        for count in counts:  # each scored and recorded in turn: a stopped sweep keeps what it scored
+            points.append(kept.get(count) or _score(*made[count], texts, max_length, stride, args.batch))
             _write_points(args.out, points)
     run_extras(args, folder, points, texts, max_length, stride, raw, lambda done: _write_points(args.out, done))
     _report(args, points, methods[0])
     return 0
 
 
-def _convert_and_score(args, folder: Path, method: str, count: int, source_kv: int, texts: list[str],
-                       max_length: int, stride: int) -> Point:
-    """Convert `folder` to `count` K/V heads with `method` into OUT/[mean-]kv{count}; its Point."""
-    from uptrain.convert import convert
+def _convert_together(args, folder: Path, method: str, counts: list[int], source_kv: int, score_s: float
+                      ) -> dict[int, tuple]:
+    """Convert `folder` to every count of `counts` with `method` into OUT/[mean-]kv{count}, together
+    (`convert_counts`: one read of the source, one calibration pass); per count, `_score`'s first
+    arguments (folder, label, method, count, settings, seconds)."""
+    from uptrain.convert.several import convert_counts
 
     calibration, refine = None, None
     settings = _conversion_settings(args, method, source_kv)
@@ -186,19 +200,35 @@ def _convert_and_score(args, folder: Path, method: str, count: int, source_kv: i
         if args.refine:
             from uptrain.convert.layers.refine_layer import RefineSettings
 
-            refine = RefineSettings(log=lambda line: print(f"   {line}", flush=True))  # a line per refined layer
-    out = args.out / (f"kv{count}" if method == args.method else f"{method}-kv{count}")
+            # a line per refined layer, naming its count (each count converts in its own thread)
+            refine = RefineSettings(log=lambda line: print(
+                f"   {threading.current_thread().name.removeprefix('convert-')}: {line}", flush=True))
+    outs = {n: args.out / (f"kv{n}" if method == args.method else f"{method}-kv{n}") for n in counts}
     began = time.monotonic()
-    print(f"== {method} kv{count}: convert into {out}", flush=True)
-    convert(str(folder), out, count, method, force=True, calibration=calibration, grouping=settings["grouping"],
-            refine=refine)
+    print(f"== {method} kv{', kv'.join(map(str, counts))}: converting together into {args.out} (one read of the "
+          f"source{', one calibration pass' if calibration else ''})", flush=True)
+    convert_counts(str(folder), outs, method, force=True, calibration=calibration, grouping=settings["grouping"],
+                   refine=refine, on_planned=lambda plans: _print_estimate(plans, score_s))
+    seconds = (time.monotonic() - began) / len(counts)  # the conversion's share of each count
     name = method + ("+refine" if refine else "")
-    return _score(out, f"{method} kv{count}", name, count, settings, texts, max_length, stride, args.batch,
-                  time.monotonic() - began)
+    return {n: (outs[n], f"{method} kv{n}", name, n, {**settings, "converted_with": counts}, seconds) for n in counts}
 
 
-def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict, texts: list[str], max_length: int,
-           stride: int, batch: int, seconds: float) -> Point:
+def _print_estimate(plans: dict, score_s: float) -> None:
+    """The sweep's plan: what the conversions will take at most (refine's measured step time, as the
+    converter's plan states it for one count) and the scoring, from the source's own scoring time."""
+    refine = [p.refinement["probe"].get("seconds_at_most") for p in plans.values() if p.refinement]
+    parts = []
+    if refine and all(s is not None for s in refine):
+        parts.append(f"refinement at most {human_seconds(sum(refine))} ({len(refine)} counts, early stopping "
+                     f"usually ends sooner)")
+    parts.append(f"scoring about {human_seconds(score_s * len(plans))} ({len(plans)} models at the source's "
+                 f"{human_seconds(score_s)})")
+    print(f"   plan: {'; '.join(parts)}; the calibration stream and the reads once for all", flush=True)
+
+
+def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict, seconds: float, texts: list[str],
+           max_length: int, stride: int, batch: int) -> Point:
     """Score `folder` with uptrain.eval's code (`evaluate_paths`) and size its KV cache."""
     from transformers import AutoConfig
     from uptrain.measure.eval import evaluate_paths

@@ -180,10 +180,11 @@ def test_the_layer_just_run_keeps_only_what_the_conversion_uses(keep, one_torch_
         with pytest.raises(LayerGone, match=f"kept only {keep}"):
             layer.recorded()
     if keep == "layer":
-        assert len(layer.inputs_on(calibration.first_inputs()).inputs) == sequences
+        examples = layer.examples_on(calibration.first_inputs())  # layer 1 on layer 0's inputs: not its own
+        assert len(examples.inputs) == len(examples.outputs) == sequences
     else:
         with pytest.raises(LayerGone, match=f"kept only {keep}"):
-            layer.inputs_on([])
+            layer.examples_on([])
     reference = Calibration(TRAIN_TXT, 600, keep="layer").bind(EXAMPLE_MHA8)
     torch.testing.assert_close(sigma, reference.sigma("model.layers.1.self_attn."), rtol=0, atol=0)
 

@@ -82,7 +82,8 @@ def _open_source(checkpoint: str, revision: str | None, headers_only: bool):
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
             grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
-            refine: RefineSettings | None = None) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
+            refine: RefineSettings | None = None, user: int = 0
+            ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
 
     headers_only (`--dry-run`): a Hub id not already in the local cache is planned from its
@@ -93,7 +94,8 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     the calibration runs lazily, when the first attention layer is written.
     refine (`--refine`): each layer's closed-form start is refined against the original's attention
     outputs on the calibration text as it is written (`refine_layer`); `fit` where the fit refuses
-    this family starts from `mean` instead (the plan says so).
+    this family starts from `mean` instead (the plan says so). user: which of the calibration's
+    users this conversion is (`several.convert_counts`: one stream for several K/V counts).
 
     allow_expand: also accept more K/V heads than the source has (each head repeated in place,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
@@ -114,11 +116,12 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             start_method, start_note = "mean", f"refine starts from mean pooling: {why}"
     layerwise = layerwise_settings(family, full_config, dims.heads, dims.kv_heads,
                                    dims.head_dim, kv_heads, start_method, grouping,
-                                   calibration and calibration.bind(source.path), refine=refine is not None)
+                                   calibration and calibration.bind(source.path), refine=refine is not None,
+                                   user=user)
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
     refiner = None
     if refine is not None:
-        refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration)
+        refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
         layerwise.refiner = refiner
     change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
                         seed, layerwise)

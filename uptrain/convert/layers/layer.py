@@ -9,7 +9,7 @@ records what the conversion will ask for, and right after keeps only that (`keep
              original inputs: its inputs and targets) and, of the module, only the attention's norms
   layer      + the whole module (refinement on the converted model's own inputs runs it again)
 
-Then it answers: `moments()` (once per user of the stream), `recorded()`, `inputs_on(...)`,
+Then it answers: `moments()` (once per user of the stream), `recorded()`, `examples_on(...)`,
 `run_with(...)`; `free()` gives the module back to meta and drops the recordings (the stream frees
 a layer when it runs the next one). Asking a layer for what it does not or no longer holds raises
 `LayerGone`, never returns None.
@@ -18,6 +18,7 @@ a layer when it runs the next one). Asking a layer for what it does not or no lo
 from __future__ import annotations
 
 import ctypes
+import threading
 from contextlib import ExitStack
 from typing import Any
 
@@ -75,6 +76,9 @@ class Layer:
             raise ValueError(f"keep must be one of {KEEP}, not {keep!r}")
         self.index, self.prefix, self.keep, self.device = index, prefix, keep, torch.device(device)
         self._module, self._attention_name, self._projection = module, attention_name, projection
+        # the original attention, held apart: `run_with` puts another module in its place for a while
+        self._attention = module.get_submodule(attention_name) if attention_name else None
+        self._use = threading.Lock()  # users of one stream (threads) run the module one at a time
         self._kwargs = kwargs
         self._captured = Captured()
         self._sigma: Tensor | None = None
@@ -166,7 +170,7 @@ class Layer:
         """The original attention module (its matrices are meta after the run unless keep='layer')."""
         if self.state == "freed":
             raise LayerGone(f"layer {self.index} no longer holds its attention module: {self._why_gone}")
-        return self._module.get_submodule(self._attention_name)
+        return self._attention
 
     def recorded(self) -> Captured:
         """The attention's inputs [T, D], call arguments and outputs [T, D] (float32, CPU) per sequence, as run."""
@@ -174,17 +178,22 @@ class Layer:
         return self._captured
 
     @torch.no_grad()
-    def inputs_on(self, activations: list[Tensor]) -> Captured:
-        """The attention's inputs and call arguments when the layer runs on `activations` (per
-        sequence [T, D]): the layer stops at its attention (its input path is the original's)."""
+    def examples_on(self, activations: list[Tensor]) -> Captured:
+        """What refinement on the converted model's own inputs learns from: the attention's inputs and
+        call arguments when the layer runs on `activations` (per sequence [T, D]; the layer stops at its
+        attention: its input path is the original's), and as outputs the ORIGINAL attention's on them."""
         self._holding("its module", ("layer",))
         captured = Captured()
-        with recording(self.attention, captured, stop=True):
-            for s, x in enumerate(activations):
-                try:
-                    self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
-                except StopForward:
-                    pass
+        with self._use:
+            with recording(self._attention, captured, stop=True, device="cpu"):
+                for s, x in enumerate(activations):
+                    try:
+                        self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
+                    except StopForward:
+                        pass
+            for x, kwargs in zip(captured.inputs, captured.kwargs):
+                out = self._attention(hidden_states=x.to(self.device)[None], **kwargs)
+                captured.outputs.append((out[0] if isinstance(out, tuple) else out)[0].float().cpu())
         return captured
 
     @torch.no_grad()
@@ -192,12 +201,12 @@ class Layer:
         """Run the layer with `attention` in place of its own over `activations`, in place: they become
         the next layer's inputs (the converted model's own, with this layer converted)."""
         self._holding("its module", ("layer",))
-        original = self.attention
-        self._module.set_submodule(self._attention_name, attention)
-        try:
-            for s, x in enumerate(activations):
-                out = self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
-                out = out[0] if isinstance(out, tuple) else out
-                activations[s] = out[0].to("cpu", x.dtype)
-        finally:
-            self._module.set_submodule(self._attention_name, original)
+        with self._use:
+            self._module.set_submodule(self._attention_name, attention)
+            try:
+                for s, x in enumerate(activations):
+                    out = self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
+                    out = out[0] if isinstance(out, tuple) else out
+                    activations[s] = out[0].to("cpu", x.dtype)
+            finally:
+                self._module.set_submodule(self._attention_name, self._attention)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -306,12 +307,13 @@ def _in_layer_order(outputs: list, family: Family) -> list:
 
 
 def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_heads: int, head_dim: int,
-                       new_kv: int, method: str, grouping: str, calibration=None, refine: bool = False
-                       ) -> Layerwise | None:
+                       new_kv: int, method: str, grouping: str, calibration=None, refine: bool = False,
+                       user: int = 0) -> Layerwise | None:
     """The `Layerwise` of a conversion, None for the per-tensor path; UsageError where not possible.
 
     calibration: a bound `calibrate.Calibration` (Σ from real text) or None (Σ = I).
     refine: `--refine` (every method goes layer at a time; the pipeline sets `refiner`).
+    user: which of the calibration's users takes the moments (a sweep's K/V count).
     """
     if grouping not in GROUPINGS:
         raise UsageError(f"--grouping must be one of {', '.join(GROUPINGS)}, not {grouping!r}")
@@ -324,7 +326,7 @@ def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_he
     if new_kv > kv_heads:
         raise UsageError("--method fit and --grouping similar only reduce the K/V head count")
     return Layerwise(grouping=grouping, interleaved=family.interleaved_rope,
-                     sigma=calibration.sigma if calibration is not None else None)
+                     sigma=partial(calibration.sigma, user=user) if calibration is not None else None)
 
 
 def describe_layerwise(plan, settings: Layerwise | None, calibration, source_params: int) -> None:

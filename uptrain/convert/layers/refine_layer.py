@@ -249,12 +249,9 @@ class LayerRefiner:
         if self.settings.inputs == "converted":
             if self._converted is None:
                 self._converted = self.calibration.first_inputs()
-            captured = original.inputs_on(self._converted)
-            inputs, call = [x.to(device) for x in captured.inputs], refine.call_with(captured.kwargs)
-            with torch.no_grad():
-                targets = [call(original.attention, x, i) for i, x in enumerate(inputs)]
-            return inputs, call, targets
-        captured = original.recorded()  # the original's matrices are freed since: its outputs were recorded
+            captured = original.examples_on(self._converted)
+        else:
+            captured = original.recorded()  # the original's matrices are freed since: its outputs were recorded
         return ([x.to(device) for x in captured.inputs], refine.call_with(captured.kwargs),
                 [y.to(device) for y in captured.outputs])
 

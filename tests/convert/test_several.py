@@ -1,0 +1,77 @@
+"""Several K/V counts at once (`uptrain.convert.several`): each folder is what `convert` writes for
+its count, from one calibration pass and one read of each source tensor for all counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLE_MHA8, TRAIN_TXT
+from uptrain.convert import convert
+from uptrain.convert.io.source import SourceCheckpoint
+from uptrain.convert.layers.calibrate import Calibration
+from uptrain.convert.layers.refine_layer import RefineSettings
+from uptrain.convert.several import convert_counts
+from uptrain.errors import UsageError
+
+COUNTS = (4, 2, 1)
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture
+def counted_reads(monkeypatch):
+    """Every tensor read from a source checkpoint, by name (the real read, counted)."""
+    reads: dict[str, int] = {}
+    real = SourceCheckpoint.read
+
+    def read(self, info):
+        reads[info.name] = reads.get(info.name, 0) + 1
+        return real(self, info)
+    monkeypatch.setattr(SourceCheckpoint, "read", read)
+    return reads
+
+
+@pytest.mark.parametrize("inputs", ["original", "converted"])
+def test_each_folder_equals_its_own_conversion_from_one_read_and_one_calibration(inputs, tmp_path, counted_reads,
+                                                                                 one_torch_thread):
+    refine = RefineSettings(steps=8, inputs=inputs)
+    single: dict[int, dict[str, int]] = {}
+    for n in COUNTS:
+        counted_reads.clear()
+        calibration = Calibration(TRAIN_TXT, 1200)
+        convert(str(EXAMPLE_MHA8), tmp_path / f"alone{n}", n, "fit", calibration=calibration, refine=refine)
+        assert calibration.record["passes"] == 1
+        single[n] = dict(counted_reads)
+    counted_reads.clear()
+    calibration = Calibration(TRAIN_TXT, 1200)
+    plans = convert_counts(str(EXAMPLE_MHA8), {n: tmp_path / f"kv{n}" for n in COUNTS}, "fit",
+                           calibration=calibration, refine=refine)
+    assert calibration.record["passes"] == 1 and calibration.record["layers_run"] == 5
+    # the whole sweep reads each tensor as often as ONE conversion does (the built tensors once,
+    # each original layer once for the stream), not once per count
+    assert counted_reads == single[COUNTS[0]] and max(counted_reads.values()) <= 2, counted_reads
+    for n in COUNTS:
+        mine, theirs = tensors(tmp_path / f"kv{n}"), tensors(tmp_path / f"alone{n}")
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-6, atol=1e-7, msg=f"kv{n} {key}")
+        assert [x["layer"] for x in plans[n].refinement["layers"]] == list(range(5))
+        assert any("converted together with K/V counts 4, 2, 1" in note for note in plans[n].notes)
+
+
+def test_one_count_failing_stops_all_and_leaves_no_folder(tmp_path, one_torch_thread):
+    """A count that cannot be written (its folder exists) stops the others before they wait on the
+    stream forever; no folder is half written, the error is the one-line usage error."""
+    (tmp_path / "kv2").mkdir()
+    (tmp_path / "kv2" / "mine.txt").write_text("a user's file")
+    with pytest.raises(UsageError, match="kv2"):
+        convert_counts(str(EXAMPLE_MHA8), {n: tmp_path / f"kv{n}" for n in COUNTS}, "fit",
+                       calibration=Calibration(TRAIN_TXT, 600), refine=RefineSettings(steps=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv2"]
+    assert [p.name for p in (tmp_path / "kv2").iterdir()] == ["mine.txt"]
