@@ -16,6 +16,7 @@ from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
 from uptrain.convert import convert
 from uptrain.errors import UsageError
 from uptrain.measure.eval import main as eval_main
+from uptrain.measure.plots import plot_sweep
 from uptrain.sweep import Point, main, recommend, sweep_counts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -111,6 +112,9 @@ def test_bench_and_uptraining_per_count_scored_as_uptrain_eval_and_kept_by_a_rer
     assert record["loss"] == pytest.approx(after["loss_after_uptraining"], abs=1e-9)
     assert record["perplexity"] == pytest.approx(after["perplexity_after_uptraining"], rel=1e-9)
     assert after["loss_after_uptraining"] != after["loss"]  # it was trained
+    # sweep.png: a second, dashed curve through the losses after uptraining
+    figure = plot_sweep(list(points.values()), tmp_path / "curve.png")
+    assert "mean, uptrained 4,096 tokens" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
     # a rerun with the same arguments keeps the timings and the uptraining; another budget redoes only that
     model_file = out / "kv2-uptrained" / "model" / "config.json"
     before = model_file.stat().st_mtime_ns

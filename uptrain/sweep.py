@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -200,9 +199,8 @@ def _convert_together(args, folder: Path, method: str, counts: list[int], source
         if args.refine:
             from uptrain.convert.layers.refine_layer import RefineSettings
 
-            # a line per refined layer, naming its count (each count converts in its own thread)
-            refine = RefineSettings(log=lambda line: print(
-                f"   {threading.current_thread().name.removeprefix('convert-')}: {line}", flush=True))
+            # a line per refined layer (convert_counts names its count)
+            refine = RefineSettings(log=lambda line: print(f"   {line}", flush=True))
     outs = {n: args.out / (f"kv{n}" if method == args.method else f"{method}-kv{n}") for n in counts}
     began = time.monotonic()
     print(f"== {method} kv{', kv'.join(map(str, counts))}: converting together into {args.out} (one read of the "

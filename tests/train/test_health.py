@@ -108,9 +108,10 @@ def test_a_bad_step_between_checks_never_reaches_a_checkpoint(tmp_path):
 
 
 def test_a_bad_step_between_checks_is_not_checkpointed_by_a_stop_signal(tmp_path, monkeypatch):
-    # No sync point until step 8; step 3's gradients are NaN and a SIGTERM arrives after step 3:
-    # the stop path reads the health before it writes anything, so the run ends diverged (naming
-    # step 3), not with a checkpoint of NaN weights that resume=latest would continue from.
+    # No sync point until step 8; step 3's gradients are NaN and a SIGTERM arrives during step 3:
+    # the stop makes step 3 a sync point, whose health is read (the one finite check) before the
+    # update, so the run ends diverged (naming step 3) before anything of step 3 is applied or
+    # written, not with a checkpoint of NaN weights that resume=latest would continue from.
     from uptrain.train.loop import TrainingDiverged, resume_state, setup_run, train_steps
     from uptrain.train.preempt import StopRequest
 
@@ -125,7 +126,7 @@ def test_a_bad_step_between_checks_is_not_checkpointed_by_a_stop_signal(tmp_path
     monkeypatch.setenv("UPTRAIN_TEST_SIGNAL_AT", "3:0:SIGTERM")
     with StopRequest().installed() as stop:
         stop.setup_done()
-        with pytest.raises(TrainingDiverged, match=r"gradient norm is nan at step 3 .*found at the check after step 3"):
+        with pytest.raises(TrainingDiverged, match=r"gradient norm is nan at step 3 .*stopped before the update"):
             train_steps(run, start, batches, stop)
     assert complete_checkpoints(run_dir) == []
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())

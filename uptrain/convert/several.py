@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,14 @@ def _check(outs: dict[int, Path], calibration: Calibration | None, refine: Refin
         raise ValueError("convert_counts needs a calibration that has not run yet")
 
 
+def _labelled(refine: RefineSettings | None, count: int) -> RefineSettings | None:
+    """`refine` whose per-layer lines name the count they belong to (the counts refine side by side)."""
+    if refine is None or refine.log is None:
+        return refine
+    log = refine.log
+    return replace(refine, log=lambda line: log(f"kv{count}: {line}"))
+
+
 def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean", *, seed: int = 0,
                    dtype: torch.dtype | None = None, max_shard_size: str = "5GB", force: bool = False,
                    grouping: str = "contiguous", calibration: Calibration | None = None,
@@ -125,7 +134,8 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
     def one(user: int, count: int) -> None:
         try:
             source, plan, outputs, new_config = prepare(checkpoint, count, method, seed, None, dtype, False,
-                                                        grouping, calibration, refine=refine, user=user)
+                                                        grouping, calibration, refine=_labelled(refine, count),
+                                                        user=user)
             check_output_path(outs[count], source.path, force)
             plan.notes.append(f"converted together with K/V counts {', '.join(map(str, counts))}: one read of the "
                               f"source{' and one calibration stream' if calibration else ''} for all")

@@ -297,78 +297,121 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
 def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None = None) -> dict:
     """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record.
 
+    Each step, top to bottom: the stage and learning rate; forward and backward of its micro
+    batches, the gradient norm clipped; at a sync point the losses read back from the device and
+    checked (the one finite check, before the update, so a bad step is never applied or saved);
+    the update; progress; the metrics record, evaluation and checkpoint when due; a stop.
+
     Losses stay on the device between sync points (uptrain/train/health.py): every log.every
-    steps, before each evaluation and checkpoint (the one a stop signal writes included), and at
-    the last step.
-    Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
+    steps, before each evaluation and checkpoint, at the last step, and at a step a stop signal
+    ends. Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
     """
-    config, accelerator, plan, model, optimizer = run.config, run.accelerator, run.plan, run.model, run.optimizer
-    accum = config.batch.grad_accum
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    sharded = shard.is_sharded(model)  # shard=fsdp2; FSDP2 averages gradients like DDP: x world holds
-    clip = shard.clip_grad_norm if sharded else accelerator.clip_grad_norm_
-    bar = tqdm(total=plan.steps, initial=start_step,
-               disable=not (accelerator.is_main_process and config.log.progress_bar), desc="train")
-    t_start, tokens_seen, record = time.time(), 0, {}
-    health, eta = StepHealth(accelerator.device), EtaTracker()
-    current = None
+    config, plan, accelerator = run.config, run.plan, run.accelerator
+    sharded = shard.is_sharded(run.model)  # shard=fsdp2; FSDP2 averages gradients like DDP: x world holds
+    health, progress, record = StepHealth(accelerator.device), _Progress(run, start_step), {}
+    stages = _Stages(run)
     for step in range(start_step, plan.steps):
         done = step + 1
-        stage = trainable_at(run.trainable_ranges, step) if run.trainable_ranges else None
-        if stage != current:  # a new stage (or a resume inside one)
-            current = stage
-            set_trainable(accelerator.unwrap_model(model), current)
-        lr = lr_at(step, plan.steps, config.optim)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        window = [next(batches)["input_ids"] for _ in range(accum)]  # each [micro_batch, seq_len]
+        stages.enter(step)
+        lr = _set_lr(run, step)
+        window = [next(batches)["input_ids"] for _ in range(config.batch.grad_accum)]  # each [micro_batch, seq_len]
         sums, global_tokens = _forward_backward(run, window, sharded)
-        grad_norm = _clipped_grad_norm(run, clip, deepspeed)
         # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
-        health.record(step, accelerator.reduce(sums, reduction="sum") / global_tokens, grad_norm,
+        health.record(step, accelerator.reduce(sums, reduction="sum") / global_tokens, _clipped_grad_norm(run),
                       check_norm=accelerator.scaler is None)
-        log_now = done % config.log.every == 0 or done == plan.steps
-        eval_now = bool(config.eval.every) and done % config.eval.every == 0 and done != plan.steps
-        save_now = bool(config.checkpoint.every) and done % config.checkpoint.every == 0
+        due = _Due(config, done, plan.steps)
+        # A stop signal ends the run after this step, the same step on every rank (a host all-reduce
+        # of the flag), with a checkpoint. A step with work due asks after that work (a signal during
+        # its evaluation or checkpoint write counts); any other step asks now, so that a stop makes it
+        # a sync point and its health is checked here too, before the update.
+        signum = stop.agreed(done) if stop is not None and not due.any else 0
         stats = None
-        if log_now or eval_now or save_now:  # a sync point: checked before the update
+        if due.any or signum:  # a sync point
             stats = health.read()
-            check_finite(stats, step, run.run_dir, updated=False, deepspeed=deepspeed)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            check_finite(stats, step, run.run_dir, updated=False,
+                         deepspeed=accelerator.distributed_type == DistributedType.DEEPSPEED)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        progress.step(done, stats, lr)
+        if due.log:
+            record = _metrics_record(run, done, stats, lr, progress.tok_s)
+            run.log(record)
+        if due.eval:
+            run.log({"step": done, **run.validate()})
+        saved = _save(run, done) if due.save else None
+        if due.any and stop is not None:
+            signum = stop.agreed(done)
+        if signum and done < plan.steps:
+            progress.close()
+            raise Preempted(signal_name(signum), done, plan.steps, saved or _stop_checkpoint(run, done, stop))
+    progress.close()
+    return record
 
-        tokens_seen += plan.tokens_per_step
-        bar.update(1)
+
+class _Due:
+    """What step `done` (1-based) of `steps` does besides training: log, evaluate, checkpoint."""
+
+    def __init__(self, config: TrainConfig, done: int, steps: int):
+        self.log = done % config.log.every == 0 or done == steps
+        self.eval = bool(config.eval.every) and done % config.eval.every == 0 and done != steps
+        self.save = bool(config.checkpoint.every) and done % config.checkpoint.every == 0
+
+    @property
+    def any(self) -> bool:
+        return self.log or self.eval or self.save
+
+
+class _Stages:
+    """`trainable` stages: which parameters train at each step (set when a stage starts or on resume)."""
+
+    def __init__(self, run: Run):
+        self.run, self.current = run, None
+
+    def enter(self, step: int) -> None:
+        if not self.run.trainable_ranges:
+            return
+        stage = trainable_at(self.run.trainable_ranges, step)
+        if stage != self.current:  # a new stage (or a resume inside one)
+            self.current = stage
+            set_trainable(self.run.accelerator.unwrap_model(self.run.model), stage)
+
+
+def _set_lr(run: Run, step: int) -> float:
+    lr = lr_at(step, run.plan.steps, run.config.optim)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+class _Progress:
+    """The progress bar (tokens/s and the losses at each sync point) and the ETA lines."""
+
+    def __init__(self, run: Run, start_step: int):
+        self.run, self.tokens, self.t_start, self.tok_s = run, 0, time.time(), 0.0
+        self.eta = EtaTracker()
+        self.bar = tqdm(total=run.plan.steps, initial=start_step,
+                        disable=not (run.accelerator.is_main_process and run.config.log.progress_bar), desc="train")
+
+    def step(self, done: int, stats, lr: float) -> None:
+        steps = self.run.plan.steps
+        self.tokens += self.run.plan.tokens_per_step
+        self.bar.update(1)
         if stats is not None:
-            tok_s = tokens_seen / (time.time() - t_start)  # after a host sync: the device work is done
+            self.tok_s = self.tokens / (time.time() - self.t_start)  # after a host sync: the device work is done
             # Named as metrics.jsonl names them: with a teacher, `loss` is the distillation mix, so the
             # bar shows its parts (lm: next-token loss, kd: the KL to the teacher).
-            losses = {"lm": f"{stats.lm:.4f}", "kd": f"{stats.kd:.4f}"} if run.teacher is not None else {
+            losses = {"lm": f"{stats.lm:.4f}", "kd": f"{stats.kd:.4f}"} if self.run.teacher is not None else {
                 "loss": f"{stats.loss:.4f}"}
-            bar.set_postfix(**losses, lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+            self.bar.set_postfix(**losses, lr=f"{lr:.2e}", tok_s=f"{self.tok_s:,.0f}")
         # ETA from a moving window of recent step times past the warm-up (uptrain.train.eta); between
         # sync points the host runs ahead of the device, the step at the sync point absorbs the wait
-        left = eta.update(time.monotonic(), plan.steps - done)
-        if left is not None and accelerator.is_main_process:
-            bar.write(f"ETA: {format_eta(left)} for {plan.steps - done} more steps at "
-                      f"{left / (plan.steps - done):.2f} s/step (recent steps; step {done}/{plan.steps})")
-        if log_now:
-            record = _metrics_record(run, done, stats, lr, tok_s)
-            run.log(record)
-        if eval_now:
-            run.log({"step": done, **run.validate()})
-        saved = _save(run, done) if save_now else None
-        # A stop signal (SIGTERM/SIGUSR1/Ctrl-C) ends the run after this step, the same step on
-        # every rank (a host all-reduce of the flag), with a checkpoint; a signal that came during
-        # this step's checkpoint write is seen here too.
-        signum = stop.agreed(done) if stop is not None else 0
-        if signum and done < plan.steps:
-            if saved is None:  # never checkpoint a bad step: the device-side health is read first
-                check_finite(health.read(), step, run.run_dir, updated=True, deepspeed=deepspeed)
-            bar.close()
-            raise Preempted(signal_name(signum), done, plan.steps, saved or _stop_checkpoint(run, done, stop))
-    bar.close()
-    return record
+        left = self.eta.update(time.monotonic(), steps - done)
+        if left is not None and self.run.accelerator.is_main_process:
+            self.bar.write(f"ETA: {format_eta(left)} for {steps - done} more steps at "
+                           f"{left / (steps - done):.2f} s/step (recent steps; step {done}/{steps})")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _forward_backward(run: Run, window: list[torch.Tensor], sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,9 +442,11 @@ def _forward_backward(run: Run, window: list[torch.Tensor], sharded: bool) -> tu
     return sums, global_tokens
 
 
-def _clipped_grad_norm(run: Run, clip, deepspeed: bool) -> torch.Tensor | None:
+def _clipped_grad_norm(run: Run) -> torch.Tensor | None:
     """The global gradient norm, clipped to optim.grad_clip (inf: computed, nothing clipped), as a tensor.
     Under DeepSpeed the step already ran inside backward; its norm is known only with clipping (else None)."""
+    deepspeed = run.accelerator.distributed_type == DistributedType.DEEPSPEED
+    clip = shard.clip_grad_norm if shard.is_sharded(run.model) else run.accelerator.clip_grad_norm_
     grad_clip = run.config.optim.grad_clip
     grad_norm = clip(run.model.parameters(), grad_clip or math.inf) if not deepspeed or grad_clip > 0 else None
     if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):  # e.g. DeepSpeed's float

@@ -1,0 +1,125 @@
+"""The house rules of docs/layout.md, checked on the code itself: the conversion's rooms import only
+downwards, nothing imports in a circle, every module is where the layout page says, and no
+function is longer than 75 lines."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = REPO / "uptrain"
+ROOMS = ["registry", "io", "math", "layers"]  # from the ground up: each imports only the ones before it
+MAY_IMPORT = {"registry": set(), "io": {"registry"}, "math": {"registry"}, "layers": {"registry", "io", "math"}}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """The uptrain modules `path` imports anywhere in it (lazy imports inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("uptrain"):
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            found.update(s for s in subs if s in MODULES)
+            if not all(s in MODULES for s in subs):  # names from a module, not submodules of a package
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("uptrain"))
+    return {m for m in found if m in MODULES and MODULES[m] != path}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def room(name: str) -> str | None:
+    """The conversion room of a module ('io'), '' for the conversion's top, None outside it."""
+    parts = name.split(".")
+    if parts[:2] != ["uptrain", "convert"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in ROOMS else ""
+
+
+def test_the_conversion_rooms_import_only_downwards():
+    wrong = []
+    for name, deps in GRAPH.items():
+        mine = room(name)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = room(dep)
+            if theirs is None:
+                if dep.startswith(("uptrain.train", "uptrain.measure", "uptrain.sweep", "uptrain.demo")):
+                    wrong.append(f"{name} -> {dep} (convert uses neither train nor measure)")
+            elif mine != "" and theirs != mine and (theirs == "" or theirs not in MAY_IMPORT[mine]):
+                wrong.append(f"{name} -> {dep}")
+    assert not wrong, wrong
+
+
+def circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every import circle found by a depth-first walk of `graph` (module -> modules it imports)."""
+    found, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                found.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return found
+
+
+def test_no_module_imports_in_a_circle():
+    assert not circles(GRAPH), circles(GRAPH)
+    # and the walk sees one: the refinement's math importing the layer that uses it
+    broken = {**GRAPH, "uptrain.convert.math.refine": GRAPH["uptrain.convert.math.refine"]
+              | {"uptrain.convert.layers.refine_layer"}}
+    assert any("uptrain.convert.math.refine -> uptrain.convert.layers.refine_layer" in c for c in circles(broken))
+
+
+def test_the_layout_page_names_every_conversion_module_in_its_room():
+    page = (REPO / "docs" / "layout.md").read_text()
+    table = page[page.index("### Inside `uptrain/convert/`"):]
+    for r in ROOMS:
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{r}/` |"))
+        named = set(re.findall(r"`(\w+)\.py`", row))
+        present = {p.stem for p in (PACKAGE / "convert" / r).glob("*.py") if p.stem != "__init__"}
+        assert named == present, (r, sorted(named ^ present))
+    top = next(line for line in table.splitlines() if line.startswith("| top |"))
+    present = {p.stem for p in (PACKAGE / "convert").glob("*.py") if p.stem != "__init__"}
+    assert set(re.findall(r"`(\w+)\.py`", top)) == present
+
+
+def test_a_broken_rule_is_seen(tmp_path):
+    """The room check itself goes red: math importing the layer stream is an arrow up."""
+    global GRAPH
+    saved = GRAPH
+    GRAPH = {**GRAPH, "uptrain.convert.math.fit": GRAPH["uptrain.convert.math.fit"]
+             | {"uptrain.convert.layers.layer_stream"}}
+    try:
+        with pytest.raises(AssertionError, match="math.fit -> uptrain.convert.layers.layer_stream"):
+            test_the_conversion_rooms_import_only_downwards()
+    finally:
+        GRAPH = saved
+
+
+def test_no_function_is_longer_than_75_lines():
+    long = [f"{module_name(p)}.{n.name}: {n.end_lineno - n.lineno + 1} lines"
+            for p in PACKAGE.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 75]
+    assert not long, long
