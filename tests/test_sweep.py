@@ -208,3 +208,18 @@ def test_recommendation_is_the_smallest_count_within_the_bound_or_says_none():
     assert recommend(points, 2.0, 0.3).startswith("recommended: 1 K/V heads")
     said = recommend(points, 2.0, 0.001)
     assert said.startswith("none of the counts is within 0.1%") and "closest is 4 K/V heads" in said
+
+
+def test_a_rerun_on_other_held_out_text_scores_again(tmp_path, capsys):
+    """Scores depend on the text: a rerun with another --stories (or --data) keeps no score of the
+    earlier text (the folders are converted again, the source scored again)."""
+    out = tmp_path / "sweep"
+    base = [str(EXAMPLE_MHA8), "--data", str(VALID_TXT), "--threads", "1", "--kv-heads", "2", "--out", str(out)]
+    assert main([*base, "--stories", "2"]) == 0
+    first = _points(out)
+    assert main([*base, "--stories", "2"]) == 0
+    assert "kept from the earlier run" in capsys.readouterr().out
+    assert main([*base, "--stories", "3"]) == 0
+    assert "kept from the earlier run" not in capsys.readouterr().out
+    again = _points(out)
+    assert again["source"]["settings"]["stories"] == 3 and again["source"]["loss"] != first["source"]["loss"]

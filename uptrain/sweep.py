@@ -162,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     announce_threads()
     args.out.mkdir(parents=True, exist_ok=True)
     done = _read_points(args.out)
-    points = [done.get("source") or _score(folder, "source", "source", shape.kv_heads, {}, 0.0, texts, max_length,
-                                           stride, args.batch)]
+    scoring = _scoring(args)  # a point is kept by a rerun only when scored on the same text
+    done = {label: p for label, p in done.items() if all(p.settings.get(k) == v for k, v in scoring.items())}
+    points = [done.get("source") or _score(folder, "source", "source", shape.kv_heads, scoring, 0.0, texts,
+                                           max_length, stride, args.batch)]
     _write_points(args.out, points)
     score_s = points[0].seconds
     for method in methods:
@@ -251,10 +253,15 @@ def _conversion_settings(args, method: str, source_kv: int) -> dict:
     """What a count's conversion was made with (a rerun keeps a point only when they are the same)."""
     chosen = method == args.method
     calibrated = chosen and args.calib is not None and (method == "fit" or args.refine)
-    return {"method": method, "grouping": args.grouping if chosen else "contiguous",
+    return {**_scoring(args), "method": method, "grouping": args.grouping if chosen else "contiguous",
             "calib": str(args.calib.resolve()) if calibrated else None,
             "calib_tokens": args.calib_tokens if calibrated else None, "refine": bool(chosen and args.refine),
             "source_kv_heads": source_kv}
+
+
+def _scoring(args) -> dict:
+    """What a point's scores depend on besides its folder: the held-out text and how much of it."""
+    return {"data": str(args.data.resolve()), "stories": args.stories}
 
 
 def _same_settings(point: Point, args, method: str) -> bool:
