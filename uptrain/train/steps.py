@@ -1,0 +1,312 @@
+"""One optimizer step after another: the training loop and the steps it is made of.
+
+    train_steps    each step, top to bottom: the stage and learning rate; forward and backward of
+                   its micro batches (`_forward_backward`), the gradient norm clipped; at a sync
+                   point the losses read back and checked (the one finite check, before the
+                   update); the update; progress; the metrics record, evaluation and checkpoint
+                   when due (`_Due`); a stop signal (agreed by all processes): a checkpoint
+                   within the grace and Preempted
+
+The run around it (set up, resume, finish) is `loop.py`; `Run` (here) is what they share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import DistributedType
+from tqdm.auto import tqdm
+
+from uptrain.train import shard
+from uptrain.train.config import TrainConfig
+from uptrain.train.eta import EtaTracker, format_eta
+from uptrain.train.health import StepHealth, check_finite
+from uptrain.train.losses import kd_loss_sum, lm_loss_sum
+from uptrain.train.preempt import Preempted, StopRequest, signal_name
+from uptrain.train.run_state import complete_checkpoints, save_checkpoint
+from uptrain.train.setup import lr_at
+from uptrain.train.trainable import set_trainable, trainable_at
+from uptrain.train.validate import validate_blocks
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from uptrain.train.report import MetricsLog
+    from uptrain.train.setup import ModelFolders, RunPlan
+
+
+@dataclass
+class Run:
+    """Everything one run holds from set-up to finish (what nanoGPT keeps in globals)."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    plan: RunPlan
+    run_dir: Path
+    resume_from: Path | None  # the checkpoint to continue from, None for a fresh run
+    tokenizer: PreTrainedTokenizerBase
+    val_blocks: Any  # datasets.Dataset of validation blocks
+    model: torch.nn.Module
+    teacher: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader
+    metrics: MetricsLog
+    folders: ModelFolders  # local folders of model, tokenizer, teacher (a Hub id resolved to its cache)
+    save_dtype: torch.dtype  # of the final model/
+    trainable_ranges: list = field(default_factory=list)  # (first, end step, trainable) per stage
+    identity: dict = field(default_factory=dict)  # uptrain.train.identity.run_identity, in every checkpoint
+    grace_s: float | None = None  # seconds between a stop signal and the kill (None: unknown)
+    checkpoint_s: float | None = None  # how long the last checkpoint took to write (a resumed run: its checkpoint's)
+
+    def log(self, record: dict) -> None:
+        """One metrics record to metrics.jsonl and to the trackers."""
+        self.metrics.write(record)
+        self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def validate(self) -> dict:
+        """Validation loss and perplexity of the model now (all processes take part)."""
+        c = self.config
+        return validate_blocks(self.model, self.val_blocks, self.accelerator,
+                               c.eval.batch_size or c.batch.micro_batch, c.eval.max_batches)
+
+
+def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None = None) -> dict:
+    """Optimizer steps `start_step` .. plan.steps - 1 on `batches`; return the last metrics record.
+
+    Each step, top to bottom: the stage and learning rate; forward and backward of its micro
+    batches, the gradient norm clipped; at a sync point the losses read back from the device and
+    checked (the one finite check, before the update, so a bad step is never applied or saved);
+    the update; progress; the metrics record, evaluation and checkpoint when due; a stop.
+
+    Losses stay on the device between sync points (uptrain/train/health.py): every log.every
+    steps, before each evaluation and checkpoint, at the last step, and at a step a stop signal
+    ends. Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
+    """
+    config, plan, accelerator = run.config, run.plan, run.accelerator
+    sharded = shard.is_sharded(run.model)  # shard=fsdp2; FSDP2 averages gradients like DDP: x world holds
+    health, progress, record = StepHealth(accelerator.device), _Progress(run, start_step), {}
+    stages = _Stages(run)
+    for step in range(start_step, plan.steps):
+        done = step + 1
+        stages.enter(step)
+        lr = _set_lr(run, step)
+        window = [next(batches)["input_ids"] for _ in range(config.batch.grad_accum)]  # each [micro_batch, seq_len]
+        sums, global_tokens = _forward_backward(run, window, sharded)
+        # fp16's loss scaler makes inf gradients on purpose and skips those steps itself.
+        health.record(step, accelerator.reduce(sums, reduction="sum") / global_tokens, _clipped_grad_norm(run),
+                      check_norm=accelerator.scaler is None)
+        due = _Due(config, done, plan.steps)
+        # A stop signal ends the run after this step, the same step on every rank (a host all-reduce
+        # of the flag), with a checkpoint. A step with work due asks after that work (a signal during
+        # its evaluation or checkpoint write counts); any other step asks now, so that a stop makes it
+        # a sync point and its health is checked here too, before the update.
+        signum = stop.agreed(done) if stop is not None and not due.any else 0
+        stats = None
+        if due.any or signum:  # a sync point
+            stats = health.read()
+            check_finite(stats, step, run.run_dir, updated=False,
+                         deepspeed=accelerator.distributed_type == DistributedType.DEEPSPEED)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        progress.step(done, stats, lr)
+        if due.log:
+            record = _metrics_record(run, done, stats, lr, progress.tok_s)
+            run.log(record)
+        if due.eval:
+            run.log({"step": done, **run.validate()})
+        saved = _save(run, done) if due.save else None
+        if due.any and stop is not None:
+            signum = stop.agreed(done)
+        if signum and done < plan.steps:
+            progress.close()
+            raise Preempted(signal_name(signum), done, plan.steps, saved or _stop_checkpoint(run, done, stop))
+    progress.close()
+    return record
+
+
+class _Due:
+    """What step `done` (1-based) of `steps` does besides training: log, evaluate, checkpoint."""
+
+    def __init__(self, config: TrainConfig, done: int, steps: int):
+        self.log = done % config.log.every == 0 or done == steps
+        self.eval = bool(config.eval.every) and done % config.eval.every == 0 and done != steps
+        self.save = bool(config.checkpoint.every) and done % config.checkpoint.every == 0
+
+    @property
+    def any(self) -> bool:
+        return self.log or self.eval or self.save
+
+
+class _Stages:
+    """`trainable` stages: which parameters train at each step (set when a stage starts or on resume)."""
+
+    def __init__(self, run: Run):
+        self.run, self.current = run, None
+
+    def enter(self, step: int) -> None:
+        if not self.run.trainable_ranges:
+            return
+        stage = trainable_at(self.run.trainable_ranges, step)
+        if stage != self.current:  # a new stage (or a resume inside one)
+            self.current = stage
+            set_trainable(self.run.accelerator.unwrap_model(self.run.model), stage)
+
+
+def _set_lr(run: Run, step: int) -> float:
+    lr = lr_at(step, run.plan.steps, run.config.optim)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+class _Progress:
+    """The progress bar (tokens/s and the losses at each sync point) and the ETA lines."""
+
+    def __init__(self, run: Run, start_step: int):
+        self.run, self.tokens, self.t_start, self.tok_s = run, 0, time.time(), 0.0
+        self.eta = EtaTracker()
+        self.bar = tqdm(total=run.plan.steps, initial=start_step,
+                        disable=not (run.accelerator.is_main_process and run.config.log.progress_bar), desc="train")
+
+    def step(self, done: int, stats, lr: float) -> None:
+        steps = self.run.plan.steps
+        self.tokens += self.run.plan.tokens_per_step
+        self.bar.update(1)
+        if stats is not None:
+            self.tok_s = self.tokens / (time.time() - self.t_start)  # after a host sync: the device work is done
+            # Named as metrics.jsonl names them: with a teacher, `loss` is the distillation mix, so the
+            # bar shows its parts (lm: next-token loss, kd: the KL to the teacher).
+            losses = {"lm": f"{stats.lm:.4f}", "kd": f"{stats.kd:.4f}"} if self.run.teacher is not None else {
+                "loss": f"{stats.loss:.4f}"}
+            self.bar.set_postfix(**losses, lr=f"{lr:.2e}", tok_s=f"{self.tok_s:,.0f}")
+        # ETA from a moving window of recent step times past the warm-up (uptrain.train.eta); between
+        # sync points the host runs ahead of the device, the step at the sync point absorbs the wait
+        left = self.eta.update(time.monotonic(), steps - done)
+        if left is not None and self.run.accelerator.is_main_process:
+            self.bar.write(f"ETA: {format_eta(left)} for {steps - done} more steps at "
+                           f"{left / (steps - done):.2f} s/step (recent steps; step {done}/{steps})")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _forward_backward(run: Run, window: list[torch.Tensor], sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one step's micro batches (`window`, each [micro_batch, seq_len]);
+    returns ([loss, lm, kd] summed over this process's target tokens, the step's global token count),
+    both on the device.
+
+    Normalised by the target tokens of the whole step on all processes (sum / global count), not by
+    a mean of per-batch means. All blocks are full now, but the rule stays right if padding or
+    masking ever appears. The count stays on the device (no host sync); torch.full is a fill kernel:
+    unlike torch.tensor(x, device=cuda) no copy that waits for the GPU.
+    """
+    accelerator, model, accum = run.accelerator, run.model, len(window)
+    world = accelerator.num_processes
+    local_tokens = torch.full((), float(sum(ids[:, 1:].numel() for ids in window)), device=accelerator.device)
+    global_tokens = accelerator.reduce(local_tokens, reduction="sum")
+    sums = torch.zeros(3, device=accelerator.device)  # [loss, lm, kd] summed over tokens
+    for i, ids in enumerate(window):
+        # Gradients are all-reduced only on the last micro batch of the step.
+        sync = (contextlib.nullcontext() if i == accum - 1 else
+                shard.no_grad_sync(model) if sharded else accelerator.no_sync(model))
+        with sync:
+            logits = model(input_ids=ids).logits  # [micro_batch, seq_len, vocab]
+            loss, lm, kd = _step_loss(run, logits, ids)
+            # DDP averages gradients over processes; x world turns that into sum / global count.
+            accelerator.backward(loss * world / global_tokens)
+            sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
+    return sums, global_tokens
+
+
+def _clipped_grad_norm(run: Run) -> torch.Tensor | None:
+    """The global gradient norm, clipped to optim.grad_clip (inf: computed, nothing clipped), as a tensor.
+    Under DeepSpeed the step already ran inside backward; its norm is known only with clipping (else None)."""
+    deepspeed = run.accelerator.distributed_type == DistributedType.DEEPSPEED
+    clip = shard.clip_grad_norm if shard.is_sharded(run.model) else run.accelerator.clip_grad_norm_
+    grad_clip = run.config.optim.grad_clip
+    grad_norm = clip(run.model.parameters(), grad_clip or math.inf) if not deepspeed or grad_clip > 0 else None
+    if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):  # e.g. DeepSpeed's float
+        grad_norm = torch.tensor(float(grad_norm))
+    elif hasattr(grad_norm, "full_tensor"):  # accelerate's FSDP2 may return the norm as a DTensor
+        grad_norm = grad_norm.full_tensor()
+    return grad_norm
+
+
+def _metrics_record(run: Run, done: int, stats, lr: float, tok_s: float) -> dict:
+    """The metrics.jsonl record of step `done` (after a sync point: `stats` read from the device)."""
+    record = {"step": done, "loss": stats.loss, "lm_loss": stats.lm, "lr": lr,
+              "tokens": done * run.plan.tokens_per_step, "tok_per_s": tok_s}
+    if run.teacher is not None:
+        record["kd_loss"] = stats.kd
+    if stats.grad_norm is not None:
+        record["grad_norm"] = stats.grad_norm
+    return record
+
+
+def _save(run: Run, done: int) -> Path:
+    """Checkpoint after `done` steps (every process): state, data position, process count, the run's
+    identity; says once when the write took longer than the stop grace."""
+    plan = run.plan
+    state = {"step": done, "samples": done * plan.sequences_per_step, "tokens": done * plan.tokens_per_step,
+             "processes": run.accelerator.num_processes, "identity": run.identity,
+             "run_dir": str(run.run_dir.resolve())}
+    started = time.monotonic()
+    path = save_checkpoint(run.accelerator, run.run_dir, done, state, run.config.checkpoint.keep,
+                           sharded_io(run, shard.save_sharded))
+    took, before = time.monotonic() - started, run.checkpoint_s
+    run.checkpoint_s = took
+    if run.grace_s is not None and took > run.grace_s and (before is None or before <= run.grace_s):
+        run.accelerator.print(
+            f"warning: checkpoint {done} took {took:.1f} s, more than the {run.grace_s:g} s stop grace: a preemption "
+            f"would stop at the last periodic checkpoint instead; give the scheduler (and TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+            f"stop_grace_s) at least {2 * took:.0f} s, or checkpoint.every fewer steps")
+    return path
+
+
+def _stop_checkpoint(run: Run, done: int, stop: StopRequest) -> Path | None:
+    """The checkpoint a stop signal asks for after step `done`, if it can be written in the grace left.
+
+    A write that the scheduler would kill half-way saves nothing and loses the clean exit 75 (the
+    requeue): when the last write took longer than what is left of the grace on any rank, nothing
+    is started and the last complete checkpoint is named instead (resume=latest continues from it)."""
+    left = stop.seconds_left(run.grace_s)
+    too_slow = left is not None and run.checkpoint_s is not None and run.checkpoint_s > left
+    if not stop.any_rank(too_slow):  # the same decision on every rank: the save is a collective
+        return _save(run, done)
+    done_before = complete_checkpoints(run.run_dir)
+    kept = done_before[-1] if done_before else None
+    need = "?" if run.checkpoint_s is None else f"{run.checkpoint_s:.1f}"
+    run.accelerator.print(
+        f"no checkpoint at step {done}: a write takes ~{need} s, {max(left or 0.0, 0.0):.1f} s are left of the "
+        f"{run.grace_s:g} s grace; " + (f"the last complete checkpoint {kept.name} is kept" if kept else
+                                        "no checkpoint yet: the resumed run starts over"))
+    return kept
+
+
+def sharded_io(run: Run, io):
+    """folder -> io(model, optimizer, folder) for a sharded model (its weights and optimizer are
+    not accelerate's to save), else None."""
+    if not shard.is_sharded(run.model):
+        return None
+    return lambda folder: io(run.model, run.optimizer, folder)
+
+
+def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lm, kd) of one micro batch, each summed over its target tokens."""
+    lm, _ = lm_loss_sum(logits, ids)
+    if run.teacher is None:
+        return lm, lm, torch.zeros((), device=lm.device)
+    with torch.no_grad(), run.accelerator.autocast():
+        teacher_logits = run.teacher(input_ids=ids).logits
+    d = run.config.distill
+    kd = kd_loss_sum(logits, teacher_logits, d.temperature)
+    return d.alpha_kd * kd + (1 - d.alpha_kd) * lm, lm, kd
