@@ -85,10 +85,41 @@ def original_gqa4() -> Path:
     return need_shared(MODELS / "stories260K-gqa4")
 
 
+@pytest.fixture(scope="session")
+def fsdp2_runs(tmp_path_factory):
+    """(one-process run, shard=fsdp2 two-process run, the latter's overrides, its stdout): the pair
+    of tests/train_helpers.py's PAIR_* settings, made once for test_train_fsdp2.py and test_elastic.py.
+
+    Read only: a test that resumes or changes a run works on a copy of its folder.
+    """
+    from train_helpers import launch_two_processes, need_models, pair_args, train_in_process
+
+    need_models()
+    tmp = tmp_path_factory.mktemp("fsdp2-pair")
+    single, sharded = tmp / "single", tmp / "sharded"
+    train_in_process(pair_args(single))
+    args = pair_args(sharded, sharded=True)
+    proc = launch_two_processes(args)
+    return single, sharded, args, proc.stdout
+
+
+@pytest.fixture(scope="session")
+def sgd_two_processes(tmp_path_factory):
+    """(run folder, stdout) of tests/train_helpers.py's SGD run on two real processes (accelerate
+    launch, gloo DDP), made once for test_train_multiproc.py and test_multinode.py. Read only."""
+    from train_helpers import SGD_STEPS, SGD_TWO_PROCESSES, launch_two_processes, need_models, tiny_overrides
+
+    need_models()
+    run_dir = tmp_path_factory.mktemp("sgd") / "double"
+    proc = launch_two_processes(tiny_overrides(run_dir, steps=SGD_STEPS, **SGD_TWO_PROCESSES))
+    return run_dir, proc.stdout
+
+
 # ---------------------------------------------------------------- progress per test file
 
-SUITE_IDLE_2CORE_S = 1050  # the whole suite on an idle 2-core machine: estimated (650 s measured idle before issue 27's
-# real-process tests, + their measured times); measured 1,264 s in a clean clone with a 2-thread job beside it. README says so
+SUITE_IDLE_2CORE_S = 980  # the whole suite on an idle 2-core machine: estimated (650 s measured idle before issue 27's
+# real-process tests, + their measured times, - ~70 s of real runs shared since issue 30); measured 1,264 s before that
+# sharing, in a clean clone with a 2-thread job beside it. README says so
 _progress: dict = {}
 
 

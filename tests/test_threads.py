@@ -127,7 +127,8 @@ def _cli_runs(tmp_path: Path):
         "methods": ("uptrain.measure.methods", [mha, "--kv-heads", "4", "--eval-data", valid, "--max-documents", "1",
                                                 "--max-length", "16", "--stride", "8"]),
         "demo": ("uptrain.demo", ["--out", str(tmp_path / "demo"), "--skip-uptrain", "--stories", "1",
-                                  "--method", "mean", "--grouping", "contiguous", "--refine-steps", "0"]),
+                                  "--method", "mean", "--grouping", "contiguous", "--refine-steps", "0",
+                                  "--task-limit", "2"]),
     }
 
 

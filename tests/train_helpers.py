@@ -6,6 +6,10 @@ Everything here is shipped (examples/) or built from it, so the trainer tests ru
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,52 @@ def tiny_overrides(run_dir: Path, steps: int = 4, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{key}={value}" for key, value in base.items()]
+
+
+# The run pair that several test files read (tests/conftest.py's session fixture `fsdp2_runs`):
+# one process (micro batch 4 x grad_accum 2) and shard=fsdp2 on two processes (micro batch 2 x
+# grad_accum 2, so the non-final micro batch runs with gradient sync off): the same 8 sequences a
+# step, checkpoints at steps 2, 4 and 6 (for the resumes), validation on 3 blocks (uneven over 2
+# processes). tests/train/test_train_fsdp2.py checks the pair against each other; test_elastic.py
+# resumes copies of both on other process counts.
+PAIR_STEPS = 6
+PAIR_COMMON = {"eval.every": 2, "eval.batch_size": 3, "eval.max_batches": 1, "checkpoint.every": 2,
+               "checkpoint.keep": 5, "log.every": 1, "threads": 1}
+PAIR_SHARDED = {"shard": "fsdp2", "batch.micro_batch": 2, "batch.grad_accum": 2}
+
+
+def pair_args(run_dir: Path, sharded: bool = False, **extra) -> list[str]:
+    """The overrides of the pair's one-process run (`sharded`: of its shard=fsdp2 two-process run)."""
+    return tiny_overrides(run_dir, steps=PAIR_STEPS, **{**PAIR_COMMON, **(PAIR_SHARDED if sharded else {}), **extra})
+
+
+# Plain SGD (its update is proportional to the gradient, unlike AdamW's) with clipping above any
+# gradient norm: a gradient off by the process count shows in the losses, grad_norm and weights.
+# Validation: 3 blocks (eval.batch_size 3 x max_batches 1) do not split evenly over 2 processes.
+# Two processes x micro batch 4 x grad_accum 1 = one process's 4 x 2. tests/conftest.py's session
+# fixture `sgd_two_processes` makes the two-process run once: test_train_multiproc.py compares it with
+# one process, test_multinode.py with two machines of one process each.
+SGD_STEPS = 6
+SGD = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 1000.0, "eval.every": 3,
+       "eval.batch_size": 3, "eval.max_batches": 1}
+SGD_TWO_PROCESSES = {**SGD, "batch.grad_accum": 1, "checkpoint.every": 3, "checkpoint.keep": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
+    """`accelerate launch` two real CPU processes of the trainer on DEMO with `args`; must succeed."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()), "-m", "uptrain.train", str(DEMO), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

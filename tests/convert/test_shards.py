@@ -158,3 +158,51 @@ def test_copy_range_by_every_path(tmp_path, monkeypatch, available):
     assert (tmp_path / "dst").read_bytes()[:30_009] == b"head" + data[123:30_123] + data[:5]
 
 
+
+
+@pytest.mark.parametrize("write_behind", [True, False])
+def test_runs_and_write_behind_write_the_same_bytes(tmp_path, monkeypatch, write_behind):
+    """Tensors copied as runs (one kernel copy for several, split where the output shard changes)
+    in small copy steps, with write-behind (its helper starting writeback and dropping cached
+    windows) on or off, give the files that writing each tensor on its own gives."""
+    from uptrain.convert.io import shards
+    from uptrain.convert.io.passthrough import StoredRange, contiguous_runs, copy_tensors, stored_tensors
+
+    tensors = {f"t{i}": torch.randn(n) for i, n in enumerate([3000, 1, 5000, 2048, 4096, 700, 9000])}
+    src = tmp_path / "src"
+    src.mkdir()
+    ref = ShardWriter(src, [TensorSpec(n, tuple(t.shape), t.dtype).stored() for n, t in tensors.items()], 10**9)
+    for name, t in tensors.items():
+        ref.write(name, t)
+    ref.close()
+    finish_shards(src, [ref])
+    listed = stored_tensors(src)
+    kept = [t for t in listed if t.name != "t3"]  # a hole: two runs
+    assert [len(r) for r in contiguous_runs(kept)] == [3, 3]
+
+    monkeypatch.setattr(shards, "_COPY_STEP", 4096)
+    monkeypatch.setattr(shards, "_WRITE_BEHIND", 8192)
+    monkeypatch.setattr(shards, "_WRITE_BEHIND_LAG", 2)
+    if not write_behind:
+        monkeypatch.setattr(shards, "_SYNC_FILE_RANGE", None)
+    specs = [StoredRange(t.name, t.shape, t.dtype) for t in kept]
+    outs = {}
+    for how in ("runs", "one by one"):
+        out = tmp_path / how
+        out.mkdir()
+        writer = ShardWriter(out, specs, 30_000)  # shards end inside both runs
+        if how == "runs":
+            assert copy_tensors(kept, lambda run, fd: writer.copy_run(run, fd, run[0].offset))
+        else:
+            for t in kept:
+                with open(t.file, "rb") as f:
+                    writer.write(t.name, torch.frombuffer(bytearray(f.read()[t.offset:t.offset + t.nbytes]),
+                                                          dtype=torch.float32))
+        writer.close()
+        assert len(writer.files) > 2
+        outs[how] = [f.read_bytes() for f in writer.files]
+    assert outs["runs"] == outs["one by one"]
+    read = {}
+    for f in (tmp_path / "runs").glob("*.safetensors"):
+        read.update(load_file(f))
+    assert read.keys() == {t.name for t in kept} and all(torch.equal(read[n], tensors[n]) for n in read)

@@ -1,9 +1,10 @@
 """Elastic resume: a checkpoint written by N processes continues on M (grad_accum adjusted so the
 global batch, the steps and the LR schedule stay the run's), with the uninterrupted losses.
 
-One chain per kind: DDP 1 -> 2 -> 1 (one reference run, one two-process launch, one resume in
-this process) and shard=fsdp2 2 -> 1 -> 2 (torch.distributed.checkpoint reshards on load; one
-process is a torchrun launch, as fsdp2 needs a process group).
+One chain per kind, each on a copy of a run of tests/conftest.py's session pair (`fsdp2_runs`, also
+checked by test_train_fsdp2.py): DDP 1 -> 2 -> 1 (the one-process run, one two-process launch, one
+resume in this process) and shard=fsdp2 2 -> 1 -> 2 (torch.distributed.checkpoint reshards on load;
+one process is a torchrun launch, as fsdp2 needs a process group).
 """
 
 from __future__ import annotations
@@ -15,29 +16,25 @@ import sys
 import pytest
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overrides, train_losses
+from train_helpers import DEMO, PAIR_STEPS as STEPS, REPO, pair_args, train_losses
 from test_preempt import _env, _two_processes
 from test_train_multiproc import _free_port
 from uptrain.errors import UsageError
 from uptrain.train.__main__ import main
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
-STEPS = 6
 
-
-def _args(run_dir, **extra) -> list[str]:
-    # One process: micro batch 4 x grad_accum 2 = 8 sequences per step; checkpoints every 2 steps.
-    return tiny_overrides(run_dir, steps=STEPS, **{"log.every": 1, "threads": 1, "checkpoint.every": 2,
-                                                   "checkpoint.keep": 5, **extra})
+def _args(run_dir, sharded: bool = False, **extra) -> list[str]:
+    # One process: micro batch 4 x grad_accum 2 = 8 sequences per step; sharded: 2 x 2 x 2
+    # processes. Checkpoints every 2 steps.
+    return pair_args(run_dir, sharded=sharded, **extra)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted one-process run (its folder holds checkpoints 2, 4 and 6)."""
-    need_models()
-    run_dir = tmp_path_factory.mktemp("elastic") / "single"
-    train_in_process(_args(run_dir))
-    return run_dir, train_losses(run_dir)
+def reference(fsdp2_runs):
+    """The uninterrupted one-process run (its folder holds checkpoints 2, 4 and 6) and its losses."""
+    single = fsdp2_runs[0]
+    return single, train_losses(single)
 
 
 def _interrupt(run_dir, keep_up_to: int) -> None:
@@ -80,18 +77,17 @@ def test_ddp_one_to_two_to_one_process(tmp_path, reference, one_torch_thread, ca
     _same_losses(run_dir, losses)
 
 
-def test_fsdp2_two_to_one_to_two_processes(tmp_path, reference):
+def test_fsdp2_two_to_one_to_two_processes(tmp_path, reference, fsdp2_runs):
     # Sharded checkpoints (each rank its shards of weights and AdamW state) reshard on load.
     _, losses = reference
     run_dir = tmp_path / "run"
-    args = _args(run_dir, shard="fsdp2", **{"batch.grad_accum": 1})  # 4 x 1 x 2 processes
-    proc = _two_processes(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(fsdp2_runs[1], run_dir)  # the two-process shard=fsdp2 run: micro batch 2 x 2 x 2 processes
+    args = _args(run_dir, sharded=True)
     _same_losses(run_dir, losses)
     _interrupt(run_dir, 2)
     proc = _torchrun_one(args + ["resume=latest"])  # 2 -> 1
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "grad_accum 1 -> 2" in proc.stdout
+    assert "grad_accum 2 -> 4" in proc.stdout
     _same_losses(run_dir, losses)
     _interrupt(run_dir, 4)
     proc = _two_processes(args + ["resume=latest"])  # 1 -> 2

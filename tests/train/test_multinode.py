@@ -19,15 +19,16 @@ import pytest
 import torch
 
 from tiny import weights
-from train_helpers import DEMO, REPO, need_models, read_metrics, tiny_overrides, train_losses
+from train_helpers import (DEMO, REPO, SGD_STEPS, SGD_TWO_PROCESSES, need_models, read_metrics, tiny_overrides,
+                           train_losses)
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
 SCRIPT = REPO / "scripts" / "launch_multinode.sh"
-STEPS = 4
-# Plain SGD (its update is proportional to the gradient) with clipping above any gradient norm,
-# micro batch 4 x 1 accumulation x 2 processes = 8 sequences per step; checkpoints at 2 and 4.
-ARGS = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 1000.0, "batch.grad_accum": 1,
-        "eval.every": 2, "eval.batch_size": 3, "eval.max_batches": 1, "checkpoint.every": 2, "checkpoint.keep": 1}
+STEPS = SGD_STEPS
+# tests/train_helpers.py's SGD run: plain SGD (its update is proportional to the gradient) with
+# clipping above any gradient norm, micro batch 4 x 1 accumulation x 2 processes = 8 sequences per
+# step; checkpoint at 3 and 6, the last one kept.
+ARGS = SGD_TWO_PROCESSES
 TIMEOUT = 240  # a launch whose ranks wait on each other forever fails here instead of hanging the suite
 
 
@@ -73,21 +74,15 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path, list[tuple[int, str, str]], Path]:
+def runs(tmp_path_factory, sgd_two_processes) -> tuple[Path, Path, list[tuple[int, str, str]], Path]:
     """(one machine x 2 processes, two machines x 1 process, the two machines' results, the folder
-    of both), all three launches at once."""
+    of both). One machine is tests/conftest.py's session run (test_train_multiproc.py compares it
+    with one process)."""
     need_models()
     tmp_path = tmp_path_factory.mktemp("multinode")
-    one, two = tmp_path / "one-machine", tmp_path / "two-machines"
-    reference = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-         str(_free_port()), "-m", "uptrain.train", str(DEMO), *tiny_overrides(one, steps=STEPS, **ARGS)],
-        cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    one, two = sgd_two_processes[0], tmp_path / "two-machines"
     args = [str(DEMO), *tiny_overrides(two, steps=STEPS, **ARGS)]
-    machines = start_machines([args, args], tmp_path, _free_port())
-    (code, _, err), *results = finish([reference, *machines])
-    assert code == 0, err[-3000:]
+    results = finish(start_machines([args, args], tmp_path, _free_port()))
     for code, _, err in results:
         assert code == 0, err[-3000:]
     return one, two, results, tmp_path

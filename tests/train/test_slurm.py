@@ -3,8 +3,9 @@
 The cluster is brought up on this machine by scripts/slurm/local_cluster.sh (munged, slurmctld and
 slurmd on the loopback address; it installs slurm-wlm and munge with apt-get when missing and it
 may). The template is submitted as a user would, on the tiny stories260K model with two CPU
-processes (accelerate launch --multi_gpu over gloo), stopped by a real Slurm signal, and must
-requeue itself once and finish with the per-step losses of an uninterrupted two-process run.
+processes (accelerate launch --multi_gpu over gloo), stopped by each real Slurm signal path in turn (the time-limit warning, then
+`scancel --signal=USR1 --batch`), and must requeue itself after each stop and finish with the per-step
+losses of an uninterrupted two-process run.
 """
 
 from __future__ import annotations
@@ -127,64 +128,61 @@ def _submit(conf: str, run_dir: Path, log: Path, args: list[str], *sbatch_opts: 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def _wait_for_requeue(conf: str, job: str, log: Path) -> None:
-    """Until the job has been requeued once (Restarts=1); fails at once if it ended instead."""
+def _wait_for_requeue(conf: str, job: str, log: Path, restarts: int = 1) -> None:
+    """Until the job has been requeued `restarts` times; fails at once if it ended instead."""
     def requeued():
         fields = _job(conf, job)
-        if fields.get("JobState") in ENDED and fields.get("Restarts") == "0":
-            raise AssertionError(f"job ended without a requeue: {fields.get('JobState')}, ExitCode "
+        if fields.get("JobState") in ENDED and fields.get("Restarts") == str(restarts - 1):
+            raise AssertionError(f"job ended without requeue {restarts}: {fields.get('JobState')}, ExitCode "
                                  f"{fields.get('ExitCode')}; job log:\n{log.read_text()[-4000:]}")
-        return fields.get("Restarts") == "1"
-    _wait_for("the job to requeue itself", requeued, 120, log, period=0.2)
+        return fields.get("Restarts") == str(restarts)
+    _wait_for(f"the job to requeue itself (restart {restarts})", requeued, 120, log, period=0.2)
 
 
-def _check_requeued_once_and_exact(conf: str, job: str, run_dir: Path, log: Path, reference: dict) -> None:
-    """The job restarted once, the restart resumed from the stop's checkpoint, and it finished exactly."""
-    _wait_for("the requeued job to end", lambda: _job(conf, job).get("JobState") in ENDED, 150, log, period=0.5)
-    fields, text = _job(conf, job), log.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, text[-4000:])
-    stopped = re.findall(r"stopped by SIGUSR1 after step (\d+) of (\d+)", text)
-    assert len(stopped) == 1, text[-4000:]  # said once, by rank 0, in the first start only
-    step = int(stopped[0][0])
-    assert 2 <= step < STEPS, text[-4000:]
-    assert f"resuming from {run_dir / 'checkpoints' / f'checkpoint-{step:08d}'} at step {step}" in text, text[-4000:]
-    assert "restart 1]: run finished" in text, text[-4000:]
-    losses = train_losses(run_dir)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for s, loss in reference.items():
-        assert losses[s] == pytest.approx(loss, abs=1e-5), s
-    assert not (run_dir / "preempted.json").exists()
-
-
-def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
-    # `scancel --signal=USR1 --batch`: what --signal=B:USR1@GRACE does before the time limit, by hand.
-    # The batch shell traps it and passes it to the step; the run checkpoints, the job requeues itself.
-    k = 3
-    run_dir, log = tmp_path / "run", tmp_path / "job.log"
-    job = _submit(cluster, run_dir, log, _args(run_dir))
-    _wait_for(f"step {k} in metrics.jsonl", lambda: _logged_steps(run_dir) >= k, 180, log)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=_env(cluster), check=True, timeout=30)
-    _wait_for_requeue(cluster, job, log)
-    text = log.read_text()
-    assert "got SIGUSR1: passing SIGUSR1 to the training step" in text, text[-4000:]
-    _check_requeued_once_and_exact(cluster, job, run_dir, log, reference)
-
-
-def test_time_limit_warning_signal_checkpoints_requeues_and_resumes_exactly(cluster, reference, tmp_path):
-    # The real time-limit path: slurmctld itself sends the header's USR1 (B:USR1@300) once less than
-    # 300 s are left. The job starts without a limit; once the run is in its step-2 checkpoint (held
-    # there 70 s by a test hook, so that two of slurmctld's 30 s time-limit sweeps find it running,
-    # however loaded the machine), the
-    # limit is cut to 4 min. After the requeue the limit is lifted again (else the restart would be
-    # warned again at once).
+def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_and_resume_exactly(
+        cluster, reference, tmp_path):
+    # One job, stopped twice, by each of the two real Slurm paths in turn; it must requeue itself
+    # after each and end with the per-step losses of the uninterrupted two-process run.
+    #
+    # 1. The real time-limit path: slurmctld itself sends the header's USR1 (B:USR1@300) once less
+    # than 300 s are left. The job starts without a limit; once the run is in its step-2 checkpoint
+    # (held there 70 s by a test hook, so that two of slurmctld's 30 s time-limit sweeps find it
+    # running, however loaded the machine), the limit is cut to 4 min. After the requeue the limit
+    # is lifted again (else the restart would be warned again at once).
+    # 2. In the restart: `scancel --signal=USR1 --batch`, what --signal=B:USR1@GRACE does before the
+    # time limit, by hand. The batch shell traps it and passes it to the step; the run checkpoints,
+    # the job requeues itself a second time and finishes.
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     job = _submit(cluster, run_dir, log, _args(run_dir, **{"checkpoint.every": 2}),
                   UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:70")
     _wait_for("the step-2 checkpoint write", lambda: (run_dir / "checkpoints" / ".tmp-checkpoint-00000002").is_dir()
               or _logged_steps(run_dir) > 2, 180, log)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=4"], env=_env(cluster), check=True, timeout=30)
-    _wait_for_requeue(cluster, job, log)
+    _wait_for_requeue(cluster, job, log, restarts=1)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED"], env=_env(cluster), check=True,
                    timeout=30)
-    assert "got SIGUSR1: passing SIGUSR1 to the training step" in log.read_text()
-    _check_requeued_once_and_exact(cluster, job, run_dir, log, reference)
+    text = log.read_text()
+    assert "restart 0]: got SIGUSR1: passing SIGUSR1 to the training step" in text, text[-4000:]
+    first = re.findall(r"stopped by SIGUSR1 after step (\d+) of", text)
+    assert len(first) == 1 and 2 <= int(first[0]) < STEPS - 10, text[-4000:]
+
+    k = int(first[0]) + 3  # logged by the restart itself, well before the end
+    _wait_for(f"step {k} in metrics.jsonl", lambda: _logged_steps(run_dir) >= k, 180, log)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=_env(cluster), check=True, timeout=30)
+    _wait_for_requeue(cluster, job, log, restarts=2)
+    assert "restart 1]: got SIGUSR1: passing SIGUSR1 to the training step" in log.read_text(), log.read_text()[-4000:]
+
+    _wait_for("the requeued job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 150, log, period=0.5)
+    fields, text = _job(cluster, job), log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "2", (fields, text[-4000:])
+    stopped = [int(s) for s, of in re.findall(r"stopped by SIGUSR1 after step (\d+) of (\d+)", text) if int(of) == STEPS]
+    assert len(stopped) == 2, text[-4000:]  # said once per stop, by rank 0
+    assert stopped[0] == int(first[0]) and k <= stopped[1] < STEPS, (stopped, text[-4000:])
+    for step in stopped:  # each restart resumed from the checkpoint its stop wrote
+        assert f"resuming from {run_dir / 'checkpoints' / f'checkpoint-{step:08d}'} at step {step}" in text, text[-4000:]
+    assert "restart 2]: run finished" in text, text[-4000:]
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for s, loss in reference.items():
+        assert losses[s] == pytest.approx(loss, abs=1e-5), s
+    assert not (run_dir / "preempted.json").exists()

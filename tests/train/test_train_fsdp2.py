@@ -14,30 +14,23 @@ from transformers import AutoModelForCausalLM
 
 from tiny import weights
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, train_in_process, GQA4, need_models, read_metrics, tiny_overrides, train_losses
+from train_helpers import (DEMO, PAIR_STEPS as STEPS, train_in_process, GQA4, need_models, pair_args, read_metrics,
+                           tiny_overrides, train_losses)
 from test_train_multiproc import launch_two_processes
 from uptrain.train.config import load_config
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 
-STEPS = 4
 # AdamW (its state is sharded and checkpointed too); grad_norm is logged before the update, so a
 # gradient off by the process count shows there. Validation on 3 blocks: uneven over 2 processes.
-COMMON = {"eval.every": 2, "eval.batch_size": 3, "eval.max_batches": 1}
 # Two processes x micro batch 2 x 2 accumulation = the one process's 4 x 2: the same 8 sequences,
 # and the non-final micro batch runs with gradient sync off (set_requires_gradient_sync(False)).
-SHARDED = {**COMMON, "shard": "fsdp2", "batch.micro_batch": 2, "batch.grad_accum": 2,
-           "checkpoint.every": 2, "checkpoint.keep": 2}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    need_models()
-    tmp = tmp_path_factory.mktemp("fsdp2")
-    single, sharded = tmp / "single", tmp / "sharded"
-    train_in_process(tiny_overrides(single, steps=STEPS, **COMMON))
-    args = tiny_overrides(sharded, steps=STEPS, **SHARDED)
-    proc = launch_two_processes(args)
-    return single, sharded, args, proc.stdout
+def runs(fsdp2_runs):
+    """(one process, shard=fsdp2 on two processes, its overrides, its stdout): tests/conftest.py's
+    session pair, which test_elastic.py resumes on other process counts too."""
+    return fsdp2_runs
 
 
 def test_fsdp2_matches_one_process(runs):
@@ -52,7 +45,7 @@ def test_fsdp2_matches_one_process(runs):
     for step in norms[0]:
         assert norms[1][step] == pytest.approx(norms[0][step], rel=1e-4), step
     val = [[(r["val_loss"], r["val_tokens"]) for r in read_metrics(d) if "val_loss" in r] for d in (single, sharded)]
-    assert [t for _, t in val[1]] == [t for _, t in val[0]] == [3 * 63] * 3
+    assert [t for _, t in val[1]] == [t for _, t in val[0]] == [3 * 63] * 4  # at steps 0, 2, 4 and 6
     assert [v for v, _ in val[1]] == pytest.approx([v for v, _ in val[0]], abs=1e-5)
     # Each checkpoint holds the ranks' shards (torch.distributed.checkpoint), not one model file.
     (last := complete_checkpoints(sharded)[-1])
@@ -79,19 +72,23 @@ def test_fsdp2_export_is_a_normal_model_folder(runs):
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_fsdp2_resume_reproduces_the_run(runs):
+def test_fsdp2_resume_reproduces_the_run(runs, tmp_path):
     # Interrupted after step 2: the sharded weights and AdamW state come back from the checkpoint.
-    assert_resume_reproduces(*runs[1:3])
+    _, sharded, args, _ = runs
+    copy = tmp_path / "sharded"  # the session's run folder stays as it is, for the other tests
+    shutil.copytree(sharded, copy)
+    assert_resume_reproduces(copy, [a for a in args if not a.startswith("run_dir=")] + [f"run_dir={copy}"])
 
 
 def assert_resume_reproduces(sharded, args) -> None:
-    """Drop the finished run's last checkpoint and final model, resume from checkpoint 2 on two
-    processes: every step's loss is the uninterrupted run's (1e-6)."""
+    """Drop the finished run's checkpoints after step 2 and its final model, resume from checkpoint 2
+    on two processes: every step's loss is the uninterrupted run's (1e-6)."""
     before = train_losses(sharded)
     shutil.rmtree(sharded / "model")
     (sharded / FINISHED_FILE).unlink()  # as if interrupted before the end
-    shutil.rmtree(complete_checkpoints(sharded)[-1])
-    assert complete_checkpoints(sharded)[-1].name == "checkpoint-00000002"
+    for checkpoint in complete_checkpoints(sharded)[1:]:
+        shutil.rmtree(checkpoint)
+    assert [p.name for p in complete_checkpoints(sharded)] == ["checkpoint-00000002"]
     proc = launch_two_processes(args + ["resume=latest"])
     assert "resuming from" in proc.stdout
     after = train_losses(sharded)
@@ -124,10 +121,9 @@ def test_fsdp2_refuses_what_it_does_not_cover():
 
 # --- bf16 (MixedPrecisionPolicy), activation checkpointing per decoder layer ---
 
-BF16 = {**SHARDED, "mixed_precision": "bf16"}
 # bf16 keeps 8 bits of mantissa (relative step 2^-8 = 0.4%): the sharded bf16 policy (bf16 weights
 # in forward and backward) and the one-process bf16 autocast (fp32 weights, bf16 matmuls) round
-# differently; over 4 AdamW steps the losses stay within 1% of each other.
+# differently; over 6 AdamW steps the losses stay within 1% of each other.
 BF16_REL = 1e-2
 
 
@@ -135,8 +131,8 @@ BF16_REL = 1e-2
 def bf16_runs(tmp_path_factory, runs):
     tmp = tmp_path_factory.mktemp("fsdp2-bf16")
     single, sharded = tmp / "single", tmp / "sharded"
-    train_in_process(tiny_overrides(single, steps=STEPS, **{**COMMON, "mixed_precision": "bf16"}))
-    args = tiny_overrides(sharded, steps=STEPS, **BF16)
+    train_in_process(pair_args(single, mixed_precision="bf16"))
+    args = pair_args(sharded, sharded=True, mixed_precision="bf16")
     proc = launch_two_processes(args)
     return single, sharded, args, proc.stdout
 
@@ -172,7 +168,7 @@ def test_fsdp2_activation_checkpointing_gives_the_same_losses(runs, tmp_path):
     # checkpoint_wrapper before fully_shard (torchtitan's order); recomputation in backward gives
     # the same gradients in fp32, up to summation order.
     _, sharded, _, _ = runs
-    args = tiny_overrides(tmp_path / "ac", steps=STEPS, **{**SHARDED, "gradient_checkpointing": "true"})
+    args = pair_args(tmp_path / "ac", sharded=True, gradient_checkpointing="true")
     proc = launch_two_processes(args)
     assert "activation checkpointing on 5 decoder layers" in proc.stdout, proc.stdout
     plain, checkpointed = train_losses(sharded), train_losses(tmp_path / "ac")

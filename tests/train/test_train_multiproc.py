@@ -3,64 +3,35 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tiny import weights
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, GQA4, REPO, need_models, read_metrics, tiny_overrides, train_losses
+from train_helpers import (DEMO, GQA4, SGD, SGD_STEPS, free_port, launch_two_processes, need_models, read_metrics,
+                           tiny_overrides, train_losses)
 from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.train import train
 from uptrain.train.config import load_config
 
-STEPS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
-    """`accelerate launch` two real CPU processes of the trainer on DEMO with `args`; must succeed."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), "-m", "uptrain.train", str(DEMO), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launch, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-# Plain SGD (its update is proportional to the gradient, unlike AdamW's) with clipping above any
-# gradient norm: a gradient off by the process count shows in the losses, grad_norm and weights.
-# Validation: 3 blocks (eval.batch_size 3 x max_batches 1) do not split evenly over 2 processes.
-SGD = {"optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 1000.0, "eval.every": 3,
-       "eval.batch_size": 3, "eval.max_batches": 1}
+STEPS = SGD_STEPS
+_free_port = free_port  # imported from here by test_preempt.py and test_elastic.py
 
 
 @pytest.fixture(scope="module")
-def sgd_runs(tmp_path_factory) -> tuple:
+def sgd_runs(tmp_path_factory, sgd_two_processes) -> tuple:
     """(one-process run folder, two-process run folder, two-process stdout): same global batch."""
     need_models()
-    tmp_path = tmp_path_factory.mktemp("sgd")
     # One process: micro batch 4 x 2 accumulation steps = 8 sequences per optimizer step.
-    single = tmp_path / "single"
+    single = tmp_path_factory.mktemp("sgd") / "single"
     train(load_config(DEMO, tiny_overrides(single, steps=STEPS, **SGD)))
     _forget_accelerate_state()
-    # Two processes: micro batch 4 x 1 step x 2 processes = the same 8 sequences per step.
-    double = tmp_path / "double"
-    args = tiny_overrides(double, steps=STEPS, **{**SGD, "batch.grad_accum": 1, "checkpoint.every": 3,
-                                                   "checkpoint.keep": 1})
-    proc = launch_two_processes(args)
-    return single, double, proc.stdout
+    # Two processes: micro batch 4 x 1 step x 2 processes = the same 8 sequences per step
+    # (tests/conftest.py's session run, which test_multinode.py compares with two machines).
+    double, stdout = sgd_two_processes
+    return single, double, stdout
 
 
 def _forget_accelerate_state() -> None:
