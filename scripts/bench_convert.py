@@ -15,7 +15,8 @@ interleaved (the order alternates each round; `--warmup` rounds first, not count
 each run the source is read once, so both start from a cached source, or with `--evict` dropped
 from the page cache (`sync`, then `posix_fadvise(DONTNEED)` on every source file; `fincore`
 confirms it where installed), so both read it from the disk. Prints the median of each and
-their ratio. Random weights: the numbers are about I/O and memory, not quality. `--set` edits
+their ratio, with the load average before each run and what each run read from the disk (source
+pages evicted meanwhile: on a slow disk these dominate the timings). Random weights: the numbers are about I/O and memory, not quality. `--set` edits
 the config (e.g. 70B shapes from the 7B config); `--keep` keeps the source between invocations
 (reused when its config matches).
 """
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -98,8 +100,14 @@ def prime(src: Path, cold: bool) -> None:
     (evict if cold else read_all)(src)
 
 
+def disk_reads() -> int:
+    """Bytes that this process's finished children read from the disk (not from the page cache)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
+
+
 def run_convert(src: Path, out: Path, kv_heads: int, verbose: bool = True, cold: bool = False) -> dict:
     prime(src, cold)
+    load, reads = os.getloadavg()[0], disk_reads()
     t0 = time.perf_counter()
     # The child reports its own VmHWM: ru_maxrss of a forked child starts from the parent's RSS.
     child = subprocess.run([sys.executable, "-c", CHILD, str(src), "--kv-heads", str(kv_heads), "--out", str(out)]
@@ -109,17 +117,19 @@ def run_convert(src: Path, out: Path, kv_heads: int, verbose: bool = True, cold:
     record = json.loads((out / "uptrain_conversion.json").read_text())
     shutil.rmtree(out)
     return {"wall_s": wall, "peak_rss": int(child.stdout.strip().splitlines()[-1]),
-            "timing_s": record.get("timing_s", {}), "streams": record.get("streams")}
+            "timing_s": record.get("timing_s", {}), "streams": record.get("streams"),
+            "load_before": load, "disk_read_bytes": disk_reads() - reads}
 
 
-def run_copy(src: Path, dst: Path, cold: bool = False) -> float:
+def run_copy(src: Path, dst: Path, cold: bool = False) -> dict:
     prime(src, cold)
+    load, reads = os.getloadavg()[0], disk_reads()
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     subprocess.run(["sync", "-f", str(dst)], check=True)
     wall = time.perf_counter() - t0
     shutil.rmtree(dst)
-    return wall
+    return {"wall_s": wall, "load_before": load, "disk_read_bytes": disk_reads() - reads}
 
 
 def main() -> None:
@@ -156,7 +166,7 @@ def main() -> None:
     largest = max(t.nbytes for t in stored_tensors(src))
     for i in range(args.warmup):
         print(f"warm-up {i + 1}: convert {run_convert(src, out, args.kv_heads, False, args.evict)['wall_s']:.1f} s, "
-              f"copy {run_copy(src, copy, args.evict):.1f} s", flush=True)
+              f"copy {run_copy(src, copy, args.evict)['wall_s']:.1f} s", flush=True)
     converts, copies = [], []
     for i in range(args.repeats):
         if i % 2 == 0:
@@ -165,19 +175,25 @@ def main() -> None:
         else:
             copies.append(run_copy(src, copy, args.evict))
             converts.append(run_convert(src, out, args.kv_heads, not args.no_verbose, args.evict))
-        print(f"round {i + 1}: convert {converts[-1]['wall_s']:.1f} s, copy {copies[-1]:.1f} s", flush=True)
+        print(f"round {i + 1}: convert {converts[-1]['wall_s']:.1f} s, copy {copies[-1]['wall_s']:.1f} s "
+              f"(load average {converts[-1]['load_before']:.1f} / {copies[-1]['load_before']:.1f} before each)",
+              flush=True)
     if not args.keep:
         shutil.rmtree(args.work)
     conv = statistics.median(c["wall_s"] for c in converts)
-    cp = statistics.median(copies)
+    cp = statistics.median(c["wall_s"] for c in copies)
     print(json.dumps({
         "config": args.config.name, "set": args.set, "layers": raw["num_hidden_layers"], "kv_heads": args.kv_heads,
         "source": "evicted" if args.evict else "cached",
         "dtype": args.dtype, "tensors": len(specs), "checkpoint_bytes": total,
-        "convert_wall_s": [round(c["wall_s"], 2) for c in converts], "copy_wall_s": [round(c, 2) for c in copies],
+        "convert_wall_s": [round(c["wall_s"], 2) for c in converts], "copy_wall_s": [round(c["wall_s"], 2) for c in copies],
         "convert_median_s": round(conv, 2), "copy_median_s": round(cp, 2), "convert_over_copy": round(conv / cp, 2),
-        "paired_ratios": [round(c["wall_s"] / w, 2) for c, w in zip(converts, copies)],
-        "median_paired_ratio": round(statistics.median(c["wall_s"] / w for c, w in zip(converts, copies)), 2),
+        "paired_ratios": [round(c["wall_s"] / w["wall_s"], 2) for c, w in zip(converts, copies)],
+        "median_paired_ratio": round(statistics.median(c["wall_s"] / w["wall_s"] for c, w in zip(converts, copies)), 2),
+        "load_before_convert": [round(c["load_before"], 2) for c in converts],
+        "load_before_copy": [round(c["load_before"], 2) for c in copies],
+        "disk_read_mib_convert": [round(c["disk_read_bytes"] / 2**20) for c in converts],
+        "disk_read_mib_copy": [round(c["disk_read_bytes"] / 2**20) for c in copies],
         "convert_peak_rss_bytes": max(c["peak_rss"] for c in converts),
         "largest_tensor_bytes": largest,
         "convert_phases_s": [c["timing_s"] for c in converts],

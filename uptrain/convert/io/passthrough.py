@@ -121,20 +121,35 @@ def kept_by_pooling(folder: Path, config: dict[str, Any]) -> list[StoredRange] |
     return [t for t in tensors if not any(rule.match(t.name) for rule in families[0].tensors)]
 
 
-def copy_tensors(tensors: list[StoredRange], copy: Callable[[StoredRange, int], None],
-                 should_stop: Callable[[], bool] = lambda: False) -> bool:
-    """Call `copy(tensor, fd of its file)` for each tensor in turn (each source file opened once).
+def contiguous_runs(tensors: list[StoredRange]) -> list[list[StoredRange]]:
+    """The tensors, in order, grouped into runs that are stored back to back in one file (a run
+    is copied with one kernel call: on Llama-2-7B shapes the 227 kept tensors are 35 runs)."""
+    runs: list[list[StoredRange]] = []
+    for t in tensors:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.file == t.file and last.offset + last.nbytes == t.offset:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
 
-    Stops early, returning False, as soon as `should_stop()` says so between tensors.
+
+def copy_tensors(tensors: list[StoredRange], copy: Callable[[list[StoredRange], int], None],
+                 should_stop: Callable[[], bool] = lambda: False) -> bool:
+    """Call `copy(run, fd of its file)` for each run of `contiguous_runs(tensors)` in turn (each
+    source file opened once).
+
+    Stops early, returning False, as soon as `should_stop()` says so between runs.
     """
     fds: dict[Path, int] = {}
     try:
-        for t in tensors:
+        for run in contiguous_runs(tensors):
             if should_stop():
                 return False
-            if t.file not in fds:
-                fds[t.file] = os.open(t.file, os.O_RDONLY)
-            copy(t, fds[t.file])
+            file = run[0].file
+            if file not in fds:
+                fds[file] = os.open(file, os.O_RDONLY)
+            copy(run, fds[file])
         return True
     finally:
         for fd in fds.values():
@@ -166,7 +181,7 @@ class Phases:
 class RangeWriter(Protocol):
     """What `copy_beside` needs of a `shards.ShardWriter`."""
 
-    def copy(self, spec: StoredTensor, src_fd: int, offset: int) -> None: ...
+    def copy_run(self, specs: list[StoredTensor], src_fd: int, offset: int) -> None: ...
     def close(self) -> None: ...
     def release(self) -> None: ...
 
@@ -184,9 +199,9 @@ def copy_beside(tensors: list[StoredRange], writer: RangeWriter, phases: Phases,
     with ThreadPoolExecutor(1, thread_name_prefix="uptrain-build") as pool:
         future = pool.submit(job, cancel)
 
-        def copy(t: StoredRange, fd: int) -> None:
+        def copy(run: list[StoredRange], fd: int) -> None:
             with phases("copy"):
-                writer.copy(t, fd, t.offset)
+                writer.copy_run(run, fd, run[0].offset)
         try:
             if copy_tensors(tensors, copy, lambda: future.done() and future.exception() is not None):
                 writer.close()
