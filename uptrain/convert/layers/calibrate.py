@@ -6,7 +6,9 @@ with a constant 1 so that biases are fitted too: x̃ = [x; 1].
 
 The model runs one decoder layer at a time (`layer_stream.LayerStream`, on `--device`), as far as
 the conversion has asked: memory is one layer in float32 plus the activations. A model that cannot
-be split so (the record says why) is loaded whole instead. Text is read by the trainer's and eval's
+be split so (the record says why) is loaded whole instead. Each layer is a `layer.Layer`, which owns
+what it recorded until it is freed; several conversions (a sweep's K/V counts, `several.py`) can
+read one stream as its users, each layer run once for all. Text is read by the trainer's and eval's
 reader (`uptrain.data.read_documents`), so a file means the same documents everywhere: a .txt file
 is cut by `text_unit` (default `paragraph`: documents separated by a blank line; `line`; `file`),
 .jsonl/.json/.parquet give each record's "text" field.
