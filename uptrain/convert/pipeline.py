@@ -156,10 +156,15 @@ class Planned:
     built: ShardWriter | None = None
 
 
+def copied_as_bytes(output: OutputTensor) -> bool:
+    """Whether an output is an unchanged safetensors tensor: copied byte for byte, never read."""
+    return output.unchanged and output.sources[0].offset is not None
+
+
 def kept_ranges(outputs: list[OutputTensor]) -> list[StoredRange]:
     """The outputs copied byte for byte (unchanged safetensors tensors), in (file, offset) order."""
     kept = [StoredRange(o.spec.name, o.spec.shape, DTYPE_NAMES[o.spec.dtype], o.sources[0].file, o.sources[0].offset)
-            for o in outputs if o.unchanged and o.sources[0].offset is not None]
+            for o in outputs if copied_as_bytes(o)]
     return sorted(kept, key=lambda t: (str(t.file), t.offset))
 
 
@@ -194,8 +199,8 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
             for output in built:
                 if cancel.is_set():
                     return writer
-                info = output.sources[0] if output.unchanged else None
-                if info is not None and info.offset is not None:
+                if copied_as_bytes(output):
+                    info = output.sources[0]
                     with phases("write built"), open(info.file, "rb") as f:
                         writer.copy(output.spec.stored(), f.fileno(), info.offset)
                     continue

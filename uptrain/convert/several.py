@@ -32,7 +32,7 @@ from uptrain.convert.io.passthrough import Phases
 from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.calibrate import Calibration
 from uptrain.convert.layers.refine_layer import RefineSettings
-from uptrain.convert.pipeline import Planned, finish_folder, kept_ranges, prepare, write_tensors
+from uptrain.convert.pipeline import Planned, copied_as_bytes, finish_folder, kept_ranges, prepare, write_tensors
 from uptrain.convert.plan import ConversionPlan
 from uptrain.errors import UsageError
 from uptrain.units import parse_size
@@ -50,7 +50,6 @@ class SharedReads:
         self._source, self._lock = source, threading.Lock()
         self._left: dict[tuple[str, str], int] = {}
         self._held: dict[tuple[str, str], torch.Tensor] = {}
-        self.reads: dict[str, int] = {}  # tensor name -> times read from the checkpoint
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)
@@ -70,7 +69,6 @@ class SharedReads:
             tensor = self._held.get(key)
             if tensor is None:
                 tensor = self._source.read(info)
-                self.reads[info.name] = self.reads.get(info.name, 0) + 1
             left = self._left.get(key, 1) - 1
             if left > 0:
                 self._left[key], self._held[key] = left, tensor
@@ -82,18 +80,14 @@ class SharedReads:
 
 def built_reads(planned: Planned) -> list[TensorInfo]:
     """The source tensors a conversion reads to build its outputs (what `build_outputs` reads:
-    the sources of outputs that are neither kept byte ranges nor unchanged byte copies)."""
+    the sources of outputs that are neither kept byte ranges nor copied as bytes among the built)."""
     kept = {t.name for t in kept_ranges(planned.outputs)}
-    return [s for o in planned.outputs if o.spec.name not in kept
-            and not (o.unchanged and o.sources[0].offset is not None) for s in o.sources]
+    return [s for o in planned.outputs if o.spec.name not in kept and not copied_as_bytes(o) for s in o.sources]
 
 
-def _check(outs: dict[int, Path], calibration: Calibration | None, refine: RefineSettings | None) -> None:
+def _check(outs: dict[int, Path], calibration: Calibration | None) -> None:
     if not outs:
         raise UsageError("no K/V counts to convert")
-    if refine is not None and calibration is None:
-        raise UsageError("--refine needs --calib FILE (the text whose attention outputs the converted layers "
-                         "are tuned to match)")
     if calibration is not None and calibration.record.get("passes"):
         raise ValueError("convert_counts needs a calibration that has not run yet")
 
@@ -118,7 +112,7 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
     written. on_planned: called with every count's plan once all are planned, before any tensor
     is read (the sweep prints its estimate). Returns each count's plan (its record: `plan.record()`).
     """
-    _check(outs, calibration, refine)
+    _check(outs, calibration)  # --refine without --calib: prepare's one-line error, as for one count
     max_shard = parse_size(max_shard_size)
     counts = list(outs)
     if calibration is not None:

@@ -64,33 +64,32 @@ class Layer:
     """Decoder layer `index` (attention prefix `prefix`, e.g. 'model.layers.3.self_attn.').
 
     state: 'new' (materialised, not run), 'ran', 'freed'. module: the decoder layer, float32 on its
-    device; attention_name / projection: its attention and input projection inside it
-    ('self_attn', 'self_attn.q_proj'); kwargs: its call arguments per sequence; users: how many
+    device; projection: its attention's input projection inside it ('self_attn.q_proj'); kwargs: its call arguments per sequence; users: how many
     conversions take its moments (a sweep converts to several K/V counts from one stream); device:
     where it runs.
     """
 
-    def __init__(self, index: int, prefix: str, module: nn.Module, attention_name: str, projection: str,
-                 kwargs: list[dict[str, Any]], keep: str, users: int = 1, device: torch.device | str = "cpu"):
+    def __init__(self, index: int, prefix: str, module: nn.Module, projection: str, kwargs: list[dict[str, Any]],
+                 keep: str, users: int = 1, device: torch.device | str = "cpu"):
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, not {keep!r}")
         self.index, self.prefix, self.keep, self.device = index, prefix, keep, torch.device(device)
-        self._module, self._attention_name, self._projection = module, attention_name, projection
+        self._module, self._projection = module, projection
+        self._attention_name = projection.rsplit(".", 1)[0]  # 'self_attn.q_proj' -> 'self_attn'
         # the original attention, held apart: `run_with` puts another module in its place for a while
-        self._attention = module.get_submodule(attention_name) if attention_name else None
+        self._attention = module.get_submodule(self._attention_name) if projection else None
         self._use = threading.Lock()  # users of one stream (threads) run the module one at a time
         self._kwargs = kwargs
         self._captured = Captured()
         self._sigma: Tensor | None = None
         self._users_left = users
-        self.tokens = 0  # rows the moments average over
         self.state = "new"
         self._why_gone = ""
 
     @classmethod
     def moments_only(cls, index: int, prefix: str, sigma: Tensor, users: int, why: str) -> "Layer":
         """A layer whose moments came from elsewhere (the whole model run at once); it holds nothing else."""
-        layer = cls(index, prefix, nn.Module(), "", "", [], "moments", users)
+        layer = cls(index, prefix, nn.Module(), "", [], "moments", users)
         layer._sigma, layer.state, layer._why_gone = sigma, "freed", why
         return layer
 
@@ -112,7 +111,7 @@ class Layer:
                 out = self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
                 out = out[0] if isinstance(out, tuple) else out
                 activations[s] = out[0].to("cpu", dtype)
-        self._sigma, self.tokens, self.state = moments.mean(), moments.tokens, "ran"
+        self._sigma, self.state = moments.mean(), "ran"
         self._keep_only_what_is_asked()
 
     def _keep_only_what_is_asked(self) -> None:

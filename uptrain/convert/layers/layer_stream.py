@@ -251,8 +251,8 @@ class LayerStream:
         self.release()
         i = self.position
         self.position += 1
-        layer = Layer(i, self.prefixes[i], self._materialise(i), self.projections[i].rsplit(".", 1)[0],
-                      self.projections[i], [k[i] for k in self.kwargs], self.keep, self.users, self.device)
+        layer = Layer(i, self.prefixes[i], self._materialise(i), self.projections[i], [k[i] for k in self.kwargs],
+                      self.keep, self.users, self.device)
         layer.run(self.activations, self.activation_dtype)
         self.current = layer
         return layer

@@ -17,10 +17,12 @@ are written). A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [he
 kept unchanged by the conversion) is copied from the original and frozen, because the converter
 copies it byte for byte.
 
-`--refine-inputs converted`: the stream also keeps the converted model's activations; layer L's
-attention inputs are taken from them (the layer's input path is the original's), the targets
-stay the original module's outputs on those inputs, and after refinement the converted layer
-(the original layer with the refined student as its attention) advances them.
+`--refine-inputs converted`: each refiner keeps its own converted model's activations (started
+from the stream's layer-0 inputs, `Calibration.first_inputs`; one set per K/V count in a sweep);
+layer L's attention inputs are taken from them (`Layer.examples_on`: the layer's input path is the
+original's), the targets stay the original module's outputs on those inputs, and after refinement
+the converted layer (`Layer.run_with`: the original layer with the refined student as its
+attention) advances them.
 """
 
 from __future__ import annotations
