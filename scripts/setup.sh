@@ -40,14 +40,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -c "import torch; print('setup: torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU)')" \
     || { echo "torch did not install" >&2; exit 1; }
 fi
-if ! .venv/bin/python -c "import uptrain, pytest, transformers, accelerate, datasets, lm_eval, onnxruntime, onnxscript" 2>/dev/null \
+if ! .venv/bin/python -c "import uptrain, pytest, xdist, transformers, accelerate, datasets, lm_eval, onnxruntime, onnxscript" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.uptrain-installed ]; then
   echo "setup: installing uptrain and its dependencies into .venv (log: .venv/install.log)"
   # eval: lm-evaluation-harness for --tasks, so tests/measure/test_tasks.py really runs it (~1 min more)
   # deploy: onnx, onnxruntime, onnxscript for tests/measure/test_deploy.py's ONNX check (~120 MB installed)
   .venv/bin/python -m pip install -e ".[test,tensorboard,eval,deploy]" > .venv/install.log 2>&1 \
     || { tail -20 .venv/install.log >&2; exit 1; }
-  .venv/bin/python -c "import uptrain, pytest, transformers, accelerate, datasets, lm_eval, onnxruntime, onnxscript" \
+  .venv/bin/python -c "import uptrain, pytest, xdist, transformers, accelerate, datasets, lm_eval, onnxruntime, onnxscript" \
     || { echo "uptrain did not install" >&2; exit 1; }
   touch .venv/.uptrain-installed
 fi

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -26,9 +28,16 @@ TRAIN_TXT = EXAMPLES / "data" / "tinystories-train-sample.txt"
 VALID_TXT = EXAMPLES / "data" / "tinystories-valid-sample.txt"
 TEST_CONFIGS = REPO / "tests" / "data" / "configs"  # copies of permissively licensed config.json files
 
-# Models the tests build once per session (so a clone without ../shared runs them), removed at exit.
-BUILT = Path(tempfile.mkdtemp(prefix="uptrain-tests-"))
-atexit.register(shutil.rmtree, BUILT, True)
+# Models the tests build once per test run (so a clone without ../shared runs them), removed at exit.
+# One folder for all pytest-xdist workers: the controller (or a plain pytest) makes it and removes it
+# when it exits; its workers, started after this import, find it in their inherited environment. One
+# folder, so that every worker's runs name the same model (a resumed run checks that it is its own).
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("UPTRAIN_TESTS_BUILT"):
+    BUILT = Path(os.environ["UPTRAIN_TESTS_BUILT"])
+else:
+    BUILT = Path(tempfile.mkdtemp(prefix="uptrain-tests-"))
+    os.environ["UPTRAIN_TESTS_BUILT"] = str(BUILT)
+    atexit.register(shutil.rmtree, BUILT, True)
 
 
 def need_shared(path: Path) -> Path:
@@ -45,9 +54,11 @@ def built_gqa4() -> Path:
     the weights are bit-identical to ../shared's stories260K-gqa4. Built on first use, then reused.
     """
     out = BUILT / "stories260K-gqa4"
-    if not (out / "config.json").is_file():
-        from uptrain.convert import convert
-        convert(str(EXAMPLE_MHA8), out, 4)
+    with open(BUILT / "stories260K-gqa4.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it
+        if not (out / "config.json").is_file():
+            from uptrain.convert import convert
+            convert(str(EXAMPLE_MHA8), out, 4)
     return out
 
 
@@ -85,6 +96,26 @@ def original_gqa4() -> Path:
     return need_shared(MODELS / "stories260K-gqa4")
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> dict:
+    """`make(folder)`'s result (a JSON dict), made once per test run in `folder`, even under pytest -n N.
+
+    Each xdist worker is its own process with its own session fixtures: the first worker to ask
+    makes the result in the folder all workers of the run share (under a file lock); the others
+    wait for it and read it. A make that fails leaves no result, so the next one to ask tries again.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-xdist: each worker's basetemp is a folder of this shared one
+    folder, done = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            done.write_text(json.dumps(make(folder)))
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def fsdp2_runs(tmp_path_factory):
     """(one-process run, shard=fsdp2 two-process run, the latter's overrides, its stdout): the pair
@@ -94,13 +125,16 @@ def fsdp2_runs(tmp_path_factory):
     """
     from train_helpers import launch_two_processes, need_models, pair_args, train_in_process
 
+    def make(tmp: Path) -> dict:
+        single, sharded = tmp / "single", tmp / "sharded"
+        train_in_process(pair_args(single))
+        args = pair_args(sharded, sharded=True)
+        return {"single": str(single), "sharded": str(sharded), "args": args,
+                "stdout": launch_two_processes(args).stdout}
+
     need_models()
-    tmp = tmp_path_factory.mktemp("fsdp2-pair")
-    single, sharded = tmp / "single", tmp / "sharded"
-    train_in_process(pair_args(single))
-    args = pair_args(sharded, sharded=True)
-    proc = launch_two_processes(args)
-    return single, sharded, args, proc.stdout
+    made = made_once(tmp_path_factory, "fsdp2-pair", make)
+    return Path(made["single"]), Path(made["sharded"]), made["args"], made["stdout"]
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +143,36 @@ def sgd_two_processes(tmp_path_factory):
     launch, gloo DDP), made once for test_train_multiproc.py and test_multinode.py. Read only."""
     from train_helpers import SGD_STEPS, SGD_TWO_PROCESSES, launch_two_processes, need_models, tiny_overrides
 
+    def make(tmp: Path) -> dict:
+        run_dir = tmp / "double"
+        proc = launch_two_processes(tiny_overrides(run_dir, steps=SGD_STEPS, **SGD_TWO_PROCESSES))
+        return {"run_dir": str(run_dir), "stdout": proc.stdout}
+
     need_models()
-    run_dir = tmp_path_factory.mktemp("sgd") / "double"
-    proc = launch_two_processes(tiny_overrides(run_dir, steps=SGD_STEPS, **SGD_TWO_PROCESSES))
-    return run_dir, proc.stdout
+    made = made_once(tmp_path_factory, "sgd", make)
+    return Path(made["run_dir"]), made["stdout"]
+
+
+# ---------------------------------------------------------------- workers (scripts/test.sh: pytest -n 3 --dist loadfile)
+
+# The longest files first (their measured times on an idle 2-core machine, in the README), so that
+# no worker is left running one of them alone at the end. Order only: every file still runs.
+LONGEST_FIRST = ("tests/test_readme.py", "tests/train/test_slurm.py", "tests/train/test_preempt.py",
+                 "tests/test_paper.py", "tests/train/test_train_fsdp2.py", "tests/train/test_elastic.py",
+                 "tests/convert/test_source.py", "tests/test_gpu_check.py", "tests/train/test_multinode.py",
+                 "tests/test_demo.py", "tests/test_sweep.py", "tests/convert/test_refine_cli.py",
+                 "tests/convert/test_architectures.py", "tests/train/test_train_multiproc.py")
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first, each file's own order kept."""
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    seen = {name: n for n, name in enumerate(dict.fromkeys(_file(item.nodeid) for item in items))}
+    items.sort(key=lambda item: (rank.get(_file(item.nodeid), len(rank)), seen[_file(item.nodeid)]))  # stable
 
 
 # ---------------------------------------------------------------- progress per test file
@@ -124,13 +184,25 @@ _progress: dict = {}
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Say how many files and tests will run and how long the whole suite takes when idle."""
+    if not hasattr(session.config, "workerinput"):  # a worker of pytest -n N: its controller says it
+        _start_progress(session.config, [item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """pytest -n N (xdist's controller): every worker collects the same tests; count them once."""
+    if not _progress:
+        _start_progress(node.config, ids)
+
+
+def _start_progress(config: pytest.Config, nodeids: list[str]) -> None:
     files: dict[str, int] = {}
-    for item in session.items:
-        files[item.nodeid.split("::")[0]] = files.get(item.nodeid.split("::")[0], 0) + 1
+    for nodeid in nodeids:
+        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0) + 1
     _progress.update(left=dict(files), total=dict(files), done=0, start=time.monotonic(), file_start={})
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and files:
-        reporter.write_line(f"{len(files)} test files, {len(session.items)} tests (the whole suite: about "
+        reporter.write_line(f"{len(files)} test files, {len(nodeids)} tests (the whole suite: about "
                             f"{round(SUITE_IDLE_2CORE_S / 60)} min on an idle 2-core machine)")
 
 

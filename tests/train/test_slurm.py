@@ -146,15 +146,16 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
     #
     # 1. The real time-limit path: slurmctld itself sends the header's USR1 (B:USR1@300) once less
     # than 300 s are left. The job starts without a limit; once the run is in its step-2 checkpoint
-    # (held there 70 s by a test hook, so that two of slurmctld's 30 s time-limit sweeps find it
-    # running, however loaded the machine), the limit is cut to 4 min. After the requeue the limit
+    # (held there by a test hook until the warning arrives, at most 70 s, so that two of
+    # slurmctld's 30 s time-limit sweeps find it running, however loaded the machine), the limit
+    # is cut to 4 min. After the requeue the limit
     # is lifted again (else the restart would be warned again at once).
     # 2. In the restart: `scancel --signal=USR1 --batch`, what --signal=B:USR1@GRACE does before the
     # time limit, by hand. The batch shell traps it and passes it to the step; the run checkpoints,
     # the job requeues itself a second time and finishes.
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     job = _submit(cluster, run_dir, log, _args(run_dir, **{"checkpoint.every": 2}),
-                  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:70")
+                  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:70:until-stop")
     _wait_for("the step-2 checkpoint write", lambda: (run_dir / "checkpoints" / ".tmp-checkpoint-00000002").is_dir()
               or _logged_steps(run_dir) > 2, 180, log)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=4"], env=_env(cluster), check=True, timeout=30)

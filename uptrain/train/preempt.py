@@ -27,9 +27,11 @@ counts as the same press: a terminal sends Ctrl-C to the launcher and to its wor
 
 Test hooks (environment; our own code sending itself real signals at a chosen point):
   UPTRAIN_TEST_SIGNAL_AT="STEP:RANK:SIGNAME"   rank RANK signals itself after step STEP
-  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S]"   the main process signals itself
-      while writing checkpoint STEP (after the state files, before the completion mark), after
-      sleeping DELAY_S (a slow write); SIGNAME "none": only the sleep
+  UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S[:until-stop]]"   the main process
+      signals itself while writing checkpoint STEP (after the state files, before the completion
+      mark), after sleeping DELAY_S (a slow write); SIGNAME "none": only the sleep; "until-stop":
+      the sleep ends early once a stop signal has reached this process (a write that lasts until
+      a scheduler's signal, however late that comes within DELAY_S)
   UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME"   signal itself as set-up enters PHASE
 """
 
@@ -47,6 +49,7 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a check
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once by a second Ctrl-C; the last complete checkpoint is kept
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 SAME_PRESS_S = 1.0
+_STOP_SEEN = threading.Event()  # a stop signal reached this process (read only by the checkpoint test hook)
 
 
 class Preempted(Exception):
@@ -88,6 +91,7 @@ class StopRequest:
             self._first_sigint = self._first_sigint or now
         if not self.signum:
             self.signum, self.received_at = signum, time.monotonic()
+        _STOP_SEEN.set()
         if self._in_setup:
             raise StoppedInSetup(signal_name(self.signum), self.phase)
 
@@ -199,11 +203,14 @@ def _test_signal_in_setup(phase: str) -> None:
 
 
 def signal_in_checkpoint_hook(step: int) -> None:
-    """Test hook: UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S]" (main process, mid-write)."""
+    """Test hook: UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S[:until-stop]]" (main
+    process, mid-write)."""
     hook = os.environ.get("UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT")
     if hook:
         at, name, *delay = _parse(hook)
         if int(at) == step:
-            time.sleep(float(delay[0]) if delay else 0.0)
+            end = time.monotonic() + (float(delay[0]) if delay else 0.0)
+            while time.monotonic() < end and not (delay[1:] == ["until-stop"] and _STOP_SEEN.is_set()):
+                time.sleep(min(0.1, max(0.0, end - time.monotonic())))
             if name != "none":
                 os.kill(os.getpid(), getattr(signal, name))
