@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -40,6 +41,14 @@ else:
     atexit.register(shutil.rmtree, BUILT, True)
 
 
+@contextlib.contextmanager
+def exclusive(lock_file: Path):
+    """Hold an exclusive lock on `lock_file` (another pytest-xdist worker may be making the same thing)."""
+    with open(lock_file, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def need_shared(path: Path) -> Path:
     """Skip the calling test (with the reason) when a file from ../shared is absent."""
     if not path.exists():
@@ -54,8 +63,7 @@ def built_gqa4() -> Path:
     the weights are bit-identical to ../shared's stories260K-gqa4. Built on first use, then reused.
     """
     out = BUILT / "stories260K-gqa4"
-    with open(BUILT / "stories260K-gqa4.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it
+    with exclusive(BUILT / "stories260K-gqa4.lock"):
         if not (out / "config.json").is_file():
             from uptrain.convert import convert
             convert(str(EXAMPLE_MHA8), out, 4)
@@ -107,8 +115,7 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> dict
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # pytest-xdist: each worker's basetemp is a folder of this shared one
     folder, done = root / name, root / f"{name}.json"
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with exclusive(root / f"{name}.lock"):
         if not done.is_file():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
