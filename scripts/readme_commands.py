@@ -2,12 +2,17 @@
 
     python scripts/readme_commands.py [--list] [--workdir DIR]
 
-Every ```bash block of README.md, then of each page in `PAGES`, runs, top to bottom, one command at a time (comment lines are
+Every ```bash block of the pages in `CHAINS` runs, top to bottom, one command at a time (comment lines are
 not commands; a trailing backslash continues a line), unless the line before the block is
 `<!-- readme-test: skip (REASON) -->`. Commands run in DIR (default: a fresh temporary folder
-holding copies of the repository's examples/, configs/ and results/), with the virtual
+holding copies of the repository's examples/, configs/, results/ and scripts/), with the virtual
 environment's bin/ first on PATH, so `python -m uptrain.X`, `uptrain-X` and `accelerate` are
 the installed ones. The first command that fails stops the run with its output.
+
+The pages form independent chains: a page that uses another page's runs (docs/measure.md scores
+docs/uptrain.md's runs/demo-cpu) is in that page's chain, after it. The test suite runs each chain in
+a fresh folder of its own (tests/test_readme*.py, so the chains run side by side), which also proves
+that no page uses another chain's files; this script runs them all, in order, in one folder.
 """
 
 from __future__ import annotations
@@ -25,15 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b")
 COPIED = ("examples", "configs", "results", "scripts")
-# README.md first, then the reference pages in the order their commands build on each other
-PAGES = ("README.md", "docs/convert.md", "docs/uptrain.md", "docs/measure.md", "docs/deploy.md",
-         "docs/own-model.md",
-         "docs/paper.md", "docs/guarantees.md", "docs/layout.md")
+# README.md first, then the reference pages; each chain's pages in the order their commands build on each other
+CHAINS = (("README.md", "docs/convert.md", "docs/deploy.md", "docs/own-model.md", "docs/paper.md",
+           "docs/guarantees.md", "docs/layout.md"),
+          ("docs/uptrain.md", "docs/measure.md"))
+PAGES = tuple(page for chain in CHAINS for page in chain)
 
 
-def all_blocks() -> list[list[str]]:
-    """The runnable blocks of every page, in order."""
-    return [block for page in PAGES for block in command_blocks((REPO / page).read_text())]
+def all_blocks(pages: tuple[str, ...] = PAGES) -> list[list[str]]:
+    """The runnable blocks of `pages` (default: every page), in order."""
+    return [block for page in pages for block in command_blocks((REPO / page).read_text())]
 
 
 def command_blocks(readme: str) -> list[list[str]]:
@@ -59,10 +65,17 @@ def command_blocks(readme: str) -> list[list[str]]:
     return blocks
 
 
-def run_all(workdir: Path, python: Path) -> int:
-    """Run every command in `workdir`; 0 when all pass, else the failing command's exit code."""
+def copy_repository_files(workdir: Path) -> None:
+    """What a clone gives the commands: copies of `COPIED` in `workdir` (not the run folders)."""
+    for name in COPIED:
+        if not (workdir / name).exists():
+            shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__", "runs"))
+
+
+def run_all(workdir: Path, python: Path, pages: tuple[str, ...] = PAGES) -> int:
+    """Run every command of `pages` in `workdir`; 0 when all pass, else the failing command's exit code."""
     env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
-    for n, commands in enumerate(all_blocks(), 1):
+    for n, commands in enumerate(all_blocks(pages), 1):
         for command in commands:
             start = time.time()
             proc = subprocess.run(command, shell=True, cwd=workdir, env=env, capture_output=True, text=True,
@@ -85,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="readme-") as tmp:
         workdir = args.workdir or Path(tmp)
-        for name in COPIED:
-            if not (workdir / name).exists():
-                shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+        copy_repository_files(workdir)
         return run_all(workdir, Path(sys.executable))
 
 

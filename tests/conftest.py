@@ -164,11 +164,13 @@ def sgd_two_processes(tmp_path_factory):
 
 # The longest files first (their measured times on an idle 2-core machine, in the README), so that
 # no worker is left running one of them alone at the end. Order only: every file still runs.
-LONGEST_FIRST = ("tests/test_readme.py", "tests/train/test_slurm.py", "tests/train/test_preempt.py",
-                 "tests/test_paper.py", "tests/train/test_train_fsdp2.py", "tests/train/test_elastic.py",
-                 "tests/convert/test_source.py", "tests/test_gpu_check.py", "tests/train/test_multinode.py",
-                 "tests/test_demo.py", "tests/test_sweep.py", "tests/convert/test_refine_cli.py",
-                 "tests/convert/test_architectures.py", "tests/train/test_train_multiproc.py")
+LONGEST_FIRST = ("tests/train/test_slurm.py",  # mostly waiting on slurmctld: started first, its waits overlap the rest
+                 "tests/test_readme_uptrain.py", "tests/train/test_preempt.py", "tests/train/test_train_fsdp2.py",
+                 "tests/test_readme.py", "tests/test_gpu_check.py", "tests/train/test_elastic.py",
+                 "tests/train/test_multinode.py", "tests/convert/test_source.py", "tests/test_demo.py",
+                 "tests/train/test_train_multiproc.py", "tests/test_paper.py", "tests/test_sweep.py",
+                 "tests/convert/test_refine_cli.py", "tests/train/test_train.py", "tests/train/test_setup_stop.py",
+                 "tests/measure/test_tasks.py", "tests/convert/test_architectures.py")
 
 
 def _file(nodeid: str) -> str:

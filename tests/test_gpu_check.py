@@ -17,7 +17,8 @@ from conftest import REPO
 
 def test_gpu_check_tiny_mode_runs_every_path(tmp_path):
     env = {**os.environ, "GPU_CHECK_TINY": "1", "GPU_CHECK_WORK": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable,
-           "GPU_CHECK_PEAK_TFLOPS": "0.5", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+           "GPU_CHECK_PEAK_TFLOPS": "0.5", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compile workers (each a torch import) for 2 tiny layers
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

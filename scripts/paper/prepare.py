@@ -18,10 +18,13 @@ import argparse
 import gzip
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# torch, tokenizers and transformers are imported where they are used: scripts/paper/run.py imports
+# this module for CORPORA and corpus_path, and its --check and its refusals must not wait ~5 s for them.
 
 CORPORA = ("shakespeare-complete.txt", "kjv-bible.txt")
 SPECIAL = ["<|endoftext|>"]
@@ -73,6 +76,9 @@ def split_corpora(corpora: Path, out: Path, val_share: float) -> tuple[list[str]
 
 def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:
     """A GPT-2-style byte-level BPE; <|endoftext|> is BOS, EOS and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -95,6 +101,9 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     train, val = split_corpora(args.corpora, args.out / "data", val_share=0.05)
     tokenizer = train_tokenizer(train, args.vocab)
     tokenizer.save_pretrained(args.out / "tokenizer")
