@@ -17,6 +17,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the test machine has no Hub; nothing may try it
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One CPU thread in the test processes and every process they start (what a test asks for itself wins):
+# tiny models gain nothing from more, and three workers on two cores spin each other's OpenMP threads.
+# tests/test_threads.py removes it where the choice without it is what is tested.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -240,11 +240,14 @@ def test_a_stop_whose_checkpoint_would_overrun_the_grace_keeps_the_last_one_and_
     _resume_matches(run_dir, args, reference)
 
 
-def test_sigterm_to_the_launcher_during_a_45_s_checkpoint_completes_it_when_the_grace_is_raised(tmp_path, reference):
+def test_sigterm_to_the_launcher_during_a_45_s_checkpoint_completes_it_when_the_grace_is_raised(tmp_path, reference,
+                                                                                                 one_torch_thread):
     # torchrun (under accelerate launch) SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after
     # forwarding a SIGTERM (default 30: this checkpoint was lost). Raised to the grace, as
     # scripts/slurm/uptrain.sbatch does, the 45 s write completes, both workers exit 75 with the
-    # checkpoint named, and two processes resume to the uninterrupted losses.
+    # checkpoint named, and the run resumes from it to the uninterrupted losses. The resume runs in
+    # this process (elastic, 2 -> 1: test_elastic.py): that two processes resume a two-process stop
+    # exactly is the SIGUSR1 test's claim above, and a second launch here would only repeat it.
     need_models()
     run_dir = tmp_path / "run"
     args = _two_process_args(run_dir, **{"checkpoint.every": 2})
@@ -262,11 +265,7 @@ def test_sigterm_to_the_launcher_during_a_45_s_checkpoint_completes_it_when_the_
     assert err.count("stopped by SIGTERM after step 2 of 12") == 1, err[-3000:]
     assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]
     assert json.loads((run_dir / PREEMPTED_FILE).read_text())["checkpoint"].endswith("checkpoint-00000002")
-    resumed = _two_processes(args + ["resume=latest"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    losses = train_losses(run_dir)
-    for step, loss in reference.items():
-        assert losses[step] == pytest.approx(loss, abs=1e-5), step
+    _resume_matches(run_dir, args, reference)
 
 
 def test_the_grace_comes_from_the_config_the_launch_script_or_torchrun_and_a_short_torchrun_is_named():
