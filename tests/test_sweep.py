@@ -56,7 +56,7 @@ def test_the_sweep_scores_as_uptrain_eval_and_its_folders_are_plain_conversions(
     assert points["source"]["kv_bytes_per_token"] == 4 * points["mean kv2"]["kv_bytes_per_token"]
 
 
-def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path):
+def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = [str(EXAMPLE_MHA8), *ARGS, "--kv-heads", "4,2,1", "--method", "fit", "--calib", str(TRAIN_TXT),
             "--calib-tokens", "2048", "--out", str(out)]
@@ -72,10 +72,9 @@ def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path
         if folder.is_dir() and not folder.name.startswith("."):
             assert (folder / "config.json").is_file(), folder
     before = (out / "kv4" / "config.json").stat().st_mtime_ns
-    done = subprocess.run([sys.executable, "-m", "uptrain.sweep", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "fit kv4: kept from the earlier run" in done.stdout
+    capsys.readouterr()
+    assert main(argv) == 0  # the rerun: in this process (only the kill needs a process of its own)
+    assert "fit kv4: kept from the earlier run" in capsys.readouterr().out
     assert list(_points(out)) == ["source", "fit kv4", "fit kv2", "fit kv1"]
     assert (out / "kv4" / "config.json").stat().st_mtime_ns == before  # not converted again
     assert _points(out)["fit kv4"]["settings"]["calib_tokens"] == 2048

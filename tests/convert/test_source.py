@@ -179,7 +179,7 @@ def _plan_rows(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if not line.startswith(("source", "note"))]
 
 
-def test_hub_dry_run_reads_only_config_and_safetensors_headers(mha8, tmp_path):
+def test_hub_dry_run_reads_only_config_and_safetensors_headers(mha8, tmp_path, capsys):
     """A Hub id with --dry-run plans from HTTP range requests of the headers: the weights stay
     on the server. The real huggingface_hub client talks to a local server (HF_ENDPOINT)."""
     src = tmp_path / "two-shards"
@@ -192,9 +192,9 @@ def test_hub_dry_run_reads_only_config_and_safetensors_headers(mha8, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "uptrain.convert", "org/stories", "--kv-heads", "2", "--dry-run"],
                               capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
-    local = subprocess.run([sys.executable, "-m", "uptrain.convert", str(src), "--kv-heads", "2", "--dry-run"],
-                           capture_output=True, text=True)
-    assert _plan_rows(proc.stdout) == _plan_rows(local.stdout)  # the same plan as from the files themselves
+    capsys.readouterr()
+    assert main([str(src), "--kv-heads", "2", "--dry-run"]) == 0  # a local folder: no process of its own needed
+    assert _plan_rows(proc.stdout) == _plan_rows(capsys.readouterr().out)  # the same plan as from the files themselves
     sent = hub.served.body_bytes
     for shard in shards:  # each shard: one range request of the first 100 kB, never the weights
         assert sent[shard] <= 100_001 < (src / shard).stat().st_size, (shard, sent)
