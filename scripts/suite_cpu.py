@@ -1,0 +1,66 @@
+"""Where the test suite's CPU goes: a pytest plugin that records each test's CPU seconds, and a summary.
+
+    PYTHONPATH=scripts SUITE_CPU_OUT=/tmp/suite-cpu.jsonl bash scripts/test.sh -p suite_cpu
+    python scripts/suite_cpu.py /tmp/suite-cpu.jsonl [--top 25]
+
+Each test appends one JSON line: its CPU seconds in the test process (`self`: user + system) and in
+the child processes it waited for (`child`: every real process it ran, with theirs), its wall time
+and its pytest-xdist worker. The suite runs on 3 workers and 2 cores, so its time is set by the CPU
+total, not by the sum of the walls. Processes a test does not wait for (Slurm jobs, which slurmd
+runs) are not counted. The summary prints the total and the files with the most CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import sys
+import time
+
+import pytest
+
+OUT = os.environ.get("SUITE_CPU_OUT", "suite-cpu.jsonl")
+
+
+def _cpu() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    (own0, children0), start = _cpu(), time.monotonic()
+    yield
+    own1, children1 = _cpu()
+    with open(OUT, "a") as f:
+        f.write(json.dumps({"id": item.nodeid, "self": own1 - own0, "child": children1 - children0,
+                            "wall": time.monotonic() - start, "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/suite_cpu.py", description=__doc__.splitlines()[0])
+    p.add_argument("jsonl", help="the file SUITE_CPU_OUT named")
+    p.add_argument("--top", type=int, default=25, help="how many files to list")
+    args = p.parse_args(argv)
+    files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    with open(args.jsonl) as f:
+        for line in f:
+            row = json.loads(line)
+            total = files[row["id"].split("::")[0]]
+            total[0] += row["self"]
+            total[1] += row["child"]
+            total[2] += row["wall"]
+            total[3] += 1
+    cpu = sum(t[0] + t[1] for t in files.values())
+    print(f"{sum(int(t[3]) for t in files.values())} tests, {cpu:.0f} CPU-s (tests' own + their processes')")
+    print("| CPU-s | own | processes' | wall s | tests | file |\n|---|---|---|---|---|---|")
+    for name, (own, child, wall, n) in sorted(files.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:args.top]:
+        print(f"| {own + child:.1f} | {own:.1f} | {child:.1f} | {wall:.1f} | {n} | {name} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
