@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One CPU thread in the test processes and every process they start (what a test asks for itself wins):
 # tiny models gain nothing from more, and three workers on two cores spin each other's OpenMP threads.
-# tests/test_threads.py removes it where the choice without it is what is tested.
+# tests/test_threads.py and test_train_config.py remove it where the choice without it is what is tested.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def sgd_two_processes(tmp_path_factory):
 
 # ---------------------------------------------------------------- workers (scripts/test.sh: pytest -n 3 --dist loadfile)
 
-# The longest files first (their measured times on an idle 2-core machine, in the README), so that
+# The longest files first (their measured CPU and time: results/suite-time.md, scripts/suite_cpu.py), so that
 # no worker is left running one of them alone at the end. Order only: every file still runs.
 LONGEST_FIRST = ("tests/train/test_slurm.py",  # mostly waiting on slurmctld: started first, its waits overlap the rest
                  "tests/test_readme_uptrain.py", "tests/train/test_preempt.py", "tests/train/test_train_fsdp2.py",
