@@ -42,11 +42,12 @@ def all_blocks(pages: tuple[str, ...] = PAGES) -> list[list[str]]:
     return [block for page in pages for block in command_blocks((REPO / page).read_text())]
 
 
-def command_blocks(readme: str) -> list[list[str]]:
-    """The commands of each runnable ```bash block, continuation lines joined."""
+def command_blocks(readme: str, skipped: bool = False) -> list[list[str]]:
+    """The commands of each runnable ```bash block, continuation lines joined (`skipped`: those of the
+    blocks marked skip instead, e.g. for the test that runs one of them itself)."""
     blocks, lines = [], readme.splitlines()
     for i, line in enumerate(lines):
-        if line.strip() != "```bash" or (i > 0 and SKIP.search(lines[i - 1])):
+        if line.strip() != "```bash" or (i > 0 and bool(SKIP.search(lines[i - 1]))) != skipped:
             continue
         commands, pending = [], ""
         for body in lines[i + 1:]:
@@ -74,16 +75,24 @@ def copy_repository_files(workdir: Path) -> None:
 
 def run_all(workdir: Path, python: Path, pages: tuple[str, ...] = PAGES) -> int:
     """Run every command of `pages` in `workdir`; 0 when all pass, else the failing command's exit code."""
-    env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
     for n, commands in enumerate(all_blocks(pages), 1):
-        for command in commands:
-            start = time.time()
-            proc = subprocess.run(command, shell=True, cwd=workdir, env=env, capture_output=True, text=True,
-                                  executable="/bin/bash")
-            print(f"[block {n}] {time.time() - start:5.1f}s rc={proc.returncode}  {command}", flush=True)
-            if proc.returncode != 0:
-                print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-                return proc.returncode
+        if rc := run_commands(workdir, python, commands, f"block {n}"):
+            return rc
+    return 0
+
+
+def run_commands(workdir: Path, python: Path, commands: list[str], label: str = "block") -> int:
+    """Run `commands` in `workdir` through bash, `python`'s bin/ first on PATH; stop at the first failure
+    (its output to stderr) and return its exit code, else 0."""
+    env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    for command in commands:
+        start = time.time()
+        proc = subprocess.run(command, shell=True, cwd=workdir, env=env, capture_output=True, text=True,
+                              executable="/bin/bash")
+        print(f"[{label}] {time.time() - start:5.1f}s rc={proc.returncode}  {command}", flush=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+            return proc.returncode
     return 0
 
 

@@ -1,7 +1,8 @@
 """scripts/deploy_transformers.py: a converted GQA folder in transformers' static cache, torch.export and ONNX.
 
-Each check runs the real runtime on stories260K converted to 2 K/V heads and compares with
-transformers' own greedy decode; the shapes must carry 2 K/V heads, not the 8 query heads.
+docs/deploy.md's check block runs as typed (stories260K converted to 2 K/V heads, then the script):
+each check ran the real runtime and compared with transformers' own greedy decode; here its JSON and
+exported files are checked: within tolerance, and the shapes carry 2 K/V heads, not the 8 query heads.
 """
 
 from __future__ import annotations
@@ -14,34 +15,41 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLE_MHA8, REPO
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import deploy_transformers as deploy  # noqa: E402
+import readme_commands  # noqa: E402
 
-NEW = 8  # greedy tokens per check: enough to cover prefill and several cache writes
-TOL = 1e-4  # float32; measured max |diff| is ~2e-5 (results/deploy-transformers.md)
-
-
-@pytest.fixture(scope="module")
-def kv2(tmp_path_factory) -> Path:
-    from uptrain.convert import convert
-
-    out = tmp_path_factory.mktemp("deploy") / "kv2"
-    convert(str(EXAMPLE_MHA8), out, 2)
-    return out
+PAGE = "docs/deploy.md"
+TOL = 1e-4  # float32, the script's default --tolerance; measured max |diff| is ~2e-5 (results/deploy-transformers.md)
 
 
 @pytest.fixture(scope="module")
-def loaded(kv2: Path):
-    """(model, prompt ids [1, n], prefill logits, greedy reference (tokens, step logits))."""
-    from transformers import AutoModelForCausalLM
+def documented(tmp_path_factory) -> tuple[Path, dict]:
+    """(the run's folder, its runs/deploy.json): docs/deploy.md's check block, run as typed in a fresh
+    folder holding what a clone gives it (the block is skipped by tests/test_readme.py's chain, so that
+    its convert and its exports run once in the suite, here, where what they wrote is checked)."""
+    (block,) = [b for b in readme_commands.command_blocks((REPO / PAGE).read_text(), skipped=True)
+                if any("deploy_transformers.py" in c for c in b)]
+    workdir = tmp_path_factory.mktemp("deploy-page")
+    readme_commands.copy_repository_files(workdir)
+    assert readme_commands.run_commands(workdir, Path(sys.executable), block, PAGE) == 0, block
+    (json_arg,) = [c.split("--json ")[1].split()[0] for c in block if "--json " in c]
+    return workdir, json.loads((workdir / json_arg).read_text())
 
-    model = AutoModelForCausalLM.from_pretrained(kv2, dtype=torch.float32).eval()
-    ids, _ = deploy.prompt_ids(kv2, "Once upon a time, there was a little", model.config.vocab_size)
-    with torch.no_grad():
-        prefill = model(ids).logits
-    return model, ids, prefill, deploy.greedy(model, ids, NEW)[:2]
+
+@pytest.fixture(scope="module")
+def kv2(documented) -> Path:
+    """The page's converted folder: stories260K converted to 2 of its 8 K/V heads."""
+    return documented[0] / "runs" / "deploy-kv2"
+
+
+def test_the_page_converts_to_two_kv_heads_and_every_check_passes(documented) -> None:
+    _, result = documented
+    assert result["passed"] and result["tolerance"] == TOL
+    assert set(result["checks"]) == {"vllm_fields", "static_cache", "torch_export", "onnx"}
+    assert all(check.get("ok", check.get("shape_ok")) for check in result["checks"].values()), result
 
 
 def test_converted_config_declares_two_kv_heads_and_the_weights_agree(kv2: Path, tmp_path: Path) -> None:
@@ -59,38 +67,42 @@ def test_converted_config_declares_two_kv_heads_and_the_weights_agree(kv2: Path,
     assert len(problems) == 10 and all("rows; config.json implies 64" in p for p in problems), problems
 
 
-def test_static_cache_decodes_the_same_tokens_and_allocates_kv_heads(loaded) -> None:
-    model, ids, _, reference = loaded
-    result = deploy.static_cache_check(model, ids, NEW, reference)
+def test_static_cache_decodes_the_same_tokens_and_allocates_kv_heads(documented) -> None:
+    _, out = documented
+    result = out["checks"]["static_cache"]
     assert result["cache_class"] == "StaticCache"
     assert result["tokens_equal"] and result["max_abs_logit_diff"] <= TOL, result
     (shape,) = result["kv_shapes"]
-    assert shape[1] == 2 and shape[3] == 8 and result["shape_ok"], shape
+    assert shape[0] == 1 and shape[1] == 2 and shape[3] == 8 and result["shape_ok"], shape
+    assert shape[2] >= out["prompt_tokens"] + out["new_tokens"] - 1  # the prompt and the decoded tokens
     # 2 (K and V) x 5 layers x 2 heads x length x 8 dims x 4 bytes: a quarter of the MHA source's
     assert result["kv_bytes"] == 2 * 5 * 2 * shape[2] * 8 * 4
 
 
-def test_exported_program_matches_eager_logits_with_a_kv_heads_cache(loaded, tmp_path: Path) -> None:
-    model, ids, prefill, reference = loaded
-    result = deploy.export_check(model, ids, NEW, 32, reference, prefill, tmp_path / "model.pt2")
+def test_exported_program_matches_eager_logits_with_a_kv_heads_cache(documented, kv2: Path) -> None:
+    workdir, out = documented
+    result = out["checks"]["torch_export"]
     assert result["tokens_equal"], result
     assert result["prefill_max_abs_diff"] <= TOL and result["decode_max_abs_diff"] <= TOL, result
-    assert result["kv_buffer_shapes"] == [[1, 2, 32, 8]]
-    # the saved program loads back and gives the same prefill logits
-    program = torch.export.load(tmp_path / "model.pt2")
+    assert result["kv_buffer_shapes"] == [[1, 2, 64, 8]]  # the script's default --max-cache-len 64
+    # the saved program loads back and gives eager transformers' prefill logits
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(kv2, dtype=torch.float32).eval()
+    ids, _ = deploy.prompt_ids(kv2, "Once upon a time, there was a little", model.config.vocab_size)
+    program = torch.export.load(workdir / "runs" / "deploy-kv2-export" / "model.pt2")
     with torch.no_grad():
         again = program.module()(input_ids=ids, cache_position=torch.arange(ids.shape[1]))
-    assert deploy.max_diff(again[0], prefill[0]) <= TOL
+        assert deploy.max_diff(again[0], model(ids).logits[0]) <= TOL
 
 
-def test_onnxruntime_matches_eager_logits_with_kv_heads_inputs(loaded, tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime", reason="the deploy extra is not installed: pip install -e '.[deploy]'")
-    pytest.importorskip("onnxscript", reason="the deploy extra is not installed: pip install -e '.[deploy]'")
-    model, ids, prefill, reference = loaded
-    result = deploy.onnx_check(model, ids, NEW, reference, prefill, tmp_path / "model.onnx")
+def test_onnxruntime_matches_eager_logits_with_kv_heads_inputs(documented) -> None:
+    workdir, out = documented
+    result = out["checks"]["onnx"]
     assert result["tokens_equal"], result
     assert result["prefill_max_abs_diff"] <= TOL and result["decode_max_abs_diff"] <= TOL, result
     assert result["past_keys_input_shape"][:3] == ["5", "1", "2"] and result["past_keys_input_shape"][4] == "8"
+    assert (workdir / "runs" / "deploy-kv2-export" / "model.onnx").stat().st_size > 0
 
 
 def test_cli_refuses_a_folder_without_config_in_one_line(tmp_path: Path, capsys) -> None:
