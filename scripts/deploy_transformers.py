@@ -55,6 +55,8 @@ VLLM_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers"
                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either is enough for AutoTokenizer
 ONNX_EXTRA = "pip install -e '.[deploy]' (onnx, onnxruntime, onnxscript)"
+DEFAULT_PROMPT = "Once upon a time, there was a little"
+DEFAULT_MAX_CACHE_LEN = 64  # the exported program's static cache length
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -268,9 +270,10 @@ def summary(results: dict[str, dict[str, Any]], tolerance: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/deploy_transformers.py", description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path, help="a converted model folder (config.json + safetensors)")
-    p.add_argument("--prompt", default="Once upon a time, there was a little")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--max-cache-len", type=int, default=64, help="the exported program's static cache length")
+    p.add_argument("--max-cache-len", type=int, default=DEFAULT_MAX_CACHE_LEN,
+                   help="the exported program's static cache length")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest max |logit diff| that passes (float32)")
     p.add_argument("--out", type=Path, help="keep model.pt2 and model.onnx here")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX check (it needs the deploy extra)")

@@ -90,12 +90,12 @@ def test_exported_program_matches_eager_logits_with_a_kv_heads_cache(documented,
     result = out["checks"]["torch_export"]
     assert result["tokens_equal"], result
     assert result["prefill_max_abs_diff"] <= TOL and result["decode_max_abs_diff"] <= TOL, result
-    assert result["kv_buffer_shapes"] == [[1, 2, 64, 8]]  # the script's default --max-cache-len 64
+    assert result["kv_buffer_shapes"] == [[1, 2, deploy.DEFAULT_MAX_CACHE_LEN, 8]]  # the page leaves the default
     # the saved program loads back and gives eager transformers' prefill logits
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(kv2, dtype=torch.float32).eval()
-    ids, _ = deploy.prompt_ids(kv2, "Once upon a time, there was a little", model.config.vocab_size)
+    ids, _ = deploy.prompt_ids(kv2, deploy.DEFAULT_PROMPT, model.config.vocab_size)
     program = torch.export.load(workdir / "runs" / "deploy-kv2-export" / "model.pt2")
     with torch.no_grad():
         again = program.module()(input_ids=ids, cache_position=torch.arange(ids.shape[1]))
