@@ -174,7 +174,9 @@ LONGEST_FIRST = ("tests/train/test_slurm.py",  # mostly waiting on slurmctld: st
                  "tests/train/test_multinode.py", "tests/convert/test_source.py", "tests/test_demo.py",
                  "tests/train/test_train_multiproc.py", "tests/test_paper.py", "tests/test_sweep.py",
                  "tests/convert/test_refine_cli.py", "tests/train/test_train.py", "tests/train/test_setup_stop.py",
-                 "tests/measure/test_tasks.py", "tests/convert/test_architectures.py")
+                 "tests/measure/test_tasks.py", "tests/measure/test_deploy.py", "tests/train/test_hub_model.py",
+                 "tests/train/test_train_teacher_samples.py", "tests/convert/test_layer_stream.py",
+                 "tests/convert/test_shards.py", "tests/convert/test_architectures.py")
 
 
 def _file(nodeid: str) -> str:

@@ -21,7 +21,10 @@ def test_gpu_check_tiny_mode_runs_every_path(tmp_path):
            "TORCHINDUCTOR_COMPILE_THREADS": "1",  # no pool of compile workers (each a torch import) for 2 tiny layers
            # scalar C++ kernels: inductor's vectorised ones take ~15 s more of g++ on a cold cache (41 vs 56 s
            # for run 2 here); the trainer's compile path is the same, only inductor's code generation differs
-           "TORCHINDUCTOR_VEC_ISA_OK": "0"}
+           "TORCHINDUCTOR_VEC_ISA_OK": "0",
+           # a cold compile every time, as on a fresh machine (inductor's default cache, /tmp/torchinductor_$USER,
+           # outlives the run: a second suite run here would compile from it in half the time)
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
