@@ -135,13 +135,18 @@ BOOM = "from uptrain.convert.layers import layerwise\n" \
        "layerwise.group_permutation = boom\n"
 
 
-def test_an_internal_error_is_one_line_exit_1_and_the_output_is_untouched(mha8, tmp_path, capsys, monkeypatch):
-    """A fault inside our own code (the head grouping raising, as the old swap pass did) mid-conversion
-    with --force over an existing output: one line that says it is ours, exit 1, the old output kept."""
+@pytest.fixture
+def grouping_fault(monkeypatch):
+    """The real process's fault (BOOM), in this process: the head grouping raises mid-conversion."""
     from uptrain.convert.layers import layerwise
     namespace: dict = {}
-    exec(BOOM.replace("layerwise.group_permutation = boom", ""), namespace)  # the real process's fault, here
+    exec(BOOM.replace("layerwise.group_permutation = boom", ""), namespace)
     monkeypatch.setattr(layerwise, "group_permutation", namespace["boom"])
+
+
+def test_an_internal_error_is_one_line_exit_1_and_the_output_is_untouched(mha8, tmp_path, capsys, grouping_fault):
+    """A fault inside our own code (the head grouping raising, as the old swap pass did) mid-conversion
+    with --force over an existing output: one line that says it is ours, exit 1, the old output kept."""
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     capsys.readouterr()
@@ -156,7 +161,7 @@ def test_an_internal_error_is_one_line_exit_1_and_the_output_is_untouched(mha8, 
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
 
 
-def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, tmp_path, capsys, monkeypatch):
+def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, tmp_path, capsys, monkeypatch, request):
     script = BOOM + "import sys\nfrom uptrain.convert.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
     args = [str(mha8), "--kv-heads", "2", "--grouping", "similar", "--out", str(tmp_path / "out")]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
@@ -166,10 +171,7 @@ def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, 
     nothing_written(tmp_path)
     # The traceback on request (UPTRAIN_DEBUG is read when the error is caught): in this process, the
     # same fault; that a real process exits with main's code is the run above's claim.
-    from uptrain.convert.layers import layerwise
-    namespace: dict = {}
-    exec(BOOM.replace("layerwise.group_permutation = boom", ""), namespace)
-    monkeypatch.setattr(layerwise, "group_permutation", namespace["boom"])
+    request.getfixturevalue("grouping_fault")
     monkeypatch.setenv("UPTRAIN_DEBUG", "1")
     capsys.readouterr()
     assert main(args) == 1
