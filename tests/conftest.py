@@ -192,8 +192,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------- progress per test file
 
-SUITE_IDLE_2CORE_S = 560  # the whole suite (scripts/test.sh: 3 workers) on a 2-core machine with nothing else running:
-# 587 s and 524 s of tests in the working checkout (767 passed, 2 skipped), 2026-12-02. README says so
+SUITE_IDLE_2CORE_S = 578  # the whole suite (scripts/test.sh: 3 workers) on a 2-core machine with nothing else running:
+# `bash .ci/run` in clean clones, 2026-12-03: 579 s with ../shared, 576 s without (results/suite-time.md). README says so
 _progress: dict = {}
 
 
