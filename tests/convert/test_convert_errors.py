@@ -161,7 +161,8 @@ def test_an_internal_error_is_one_line_exit_1_and_the_output_is_untouched(mha8, 
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
 
 
-def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, tmp_path, capsys, monkeypatch, request):
+def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, tmp_path, capsys, monkeypatch,
+                                                                        grouping_fault):
     script = BOOM + "import sys\nfrom uptrain.convert.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
     args = [str(mha8), "--kv-heads", "2", "--grouping", "similar", "--out", str(tmp_path / "out")]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
@@ -170,8 +171,8 @@ def test_an_internal_error_in_a_real_process_and_its_traceback_on_request(mha8, 
     assert "Traceback" not in proc.stderr
     nothing_written(tmp_path)
     # The traceback on request (UPTRAIN_DEBUG is read when the error is caught): in this process, the
-    # same fault; that a real process exits with main's code is the run above's claim.
-    request.getfixturevalue("grouping_fault")
+    # same fault (grouping_fault patches only this process, not the one above); that a real process exits
+    # with main's code is the run above's claim.
     monkeypatch.setenv("UPTRAIN_DEBUG", "1")
     capsys.readouterr()
     assert main(args) == 1
