@@ -3,7 +3,7 @@
 One process (the model and AdamW state written by rank 0 through accelerate's save_state):
 
     .venv/bin/python scripts/bench_checkpoint.py --sizes 125m,350m,1b --repeats 3 \
-        --run-dir /work/bench-ckpt --drop-caches --out /tmp/ckpt-1p.jsonl
+        --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-1p.jsonl
 
 Two processes, DDP on CPU (rank 0 still writes everything) and the sharded path
 (uptrain.train.shard.shard_model + save_sharded: every rank writes its shard with
@@ -11,10 +11,10 @@ torch.distributed.checkpoint, as `shard: fsdp2` runs do):
 
     .venv/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
         --dynamo_backend no --main_process_port 29517 scripts/bench_checkpoint.py --sizes 125m,350m \
-        --mode ddp --repeats 3 --run-dir /work/bench-ckpt --drop-caches --out /tmp/ckpt-2p-ddp.jsonl
+        --mode ddp --repeats 3 --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-2p-ddp.jsonl
     .venv/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
         --dynamo_backend no --main_process_port 29518 scripts/bench_checkpoint.py --sizes 125m,350m,1b \
-        --mode sharded --repeats 3 --run-dir /work/bench-ckpt --drop-caches --out /tmp/ckpt-2p-sh.jsonl
+        --mode sharded --repeats 3 --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-2p-sh.jsonl
 
 (`--mode sharded` without a launcher shards over a one-process group: the one-writer DCP baseline.)
 Results: results/checkpoint-time.md.
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("ddp", "sharded"), default="ddp",
                         help="ddp: accelerate.prepare (one process: plain); sharded: shard_model + save_sharded")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--run-dir", default="/work/bench-ckpt", help="parent of the per-repetition run folders")
+    parser.add_argument("--run-dir", default="runs/bench-ckpt", help="parent of the per-repetition run folders")
     parser.add_argument("--drop-caches", action="store_true", help="sync; echo 3 > /proc/sys/vm/drop_caches before each rep")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="append one JSON line per size here (rank 0)")

@@ -2,7 +2,7 @@
 against copying the same folder.
 
     python scripts/bench_convert.py ../shared/data/configs/llama-2-7b-hf.json --kv-heads 8 \
-        --dtype bfloat16 --work /tmp/bench-convert [--layers 4] [--set KEY=VALUE ...] [--repeats 3] \
+        --dtype bfloat16 --work runs/bench-convert [--layers 4] [--set KEY=VALUE ...] [--repeats 3] \
         [--warmup 1] [--evict] [--keep]
 
 Writes a random-weight checkpoint with exactly the tensor names and shapes that the config's

@@ -30,6 +30,7 @@ from uptrain.convert.io.source import SourceCheckpoint  # noqa: E402
 from uptrain.convert.layers.calibrate import Calibration  # noqa: E402
 from uptrain.convert.layers.refine_layer import RefineSettings  # noqa: E402
 from uptrain.convert.several import convert_counts  # noqa: E402
+from shown import shown_command  # noqa: E402  (scripts/shown.py: paths as results/ names them)
 
 READ_BYTES = [0]
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return [calibration]
     rows = [_run("one conversion per count", alone), _run("all counts together", together)]
     shutil.rmtree(args.out, ignore_errors=True)
-    result = {"command": " ".join(["python", "scripts/bench_sweep.py", *(argv or sys.argv[1:])]),
+    result = {"command": shown_command(["python", "scripts/bench_sweep.py", *(argv or sys.argv[1:])]),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "counts": counts, "rows": rows}
     if args.json:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from uptrain.errors import UsageError  # noqa: E402
 from uptrain.measure import gguf  # noqa: E402
 from uptrain.threads import add_threads_arg, start_threads  # noqa: E402
+from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
 
 
 def logit_agreement(a, b) -> dict:
@@ -85,7 +86,7 @@ def check_model(folder: Path, converter: Path, outtype: str, n_ctx: int, text: s
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm, _, kv = gguf.load_llama(out, n_ctx, threads, logits_all=True, kv_type=kv_type)
     meta = gguf.gguf_meta(llm)
-    row: dict = {"model": str(folder), "gguf": out.name, "outtype": outtype, "kv_type": kv_type, "gguf_bytes": out.stat().st_size,
+    row: dict = {"model": shown(folder), "gguf": out.name, "outtype": outtype, "kv_type": kv_type, "gguf_bytes": out.stat().st_size,
                  "n_ctx": n_ctx, "config_kv_heads": shape.kv_heads,
                  "gguf_head_count_kv": gguf.arch_value(meta, "attention.head_count_kv"),
                  "gguf_tokenizer": meta.get("tokenizer.ggml.model")}

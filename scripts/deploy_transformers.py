@@ -49,6 +49,7 @@ from uptrain.cli import format_table, write_json  # noqa: E402
 from uptrain.convert.io.hfconfig import model_shape  # noqa: E402
 from uptrain.convert.io.passthrough import read_header  # noqa: E402
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
+from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
 
 # config.json fields vLLM's Llama-family loader reads (through transformers' AutoConfig)
 VLLM_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(results, args.tolerance))
     ok = all(passed(r, args.tolerance) for r in results.values() if "skipped" not in r)
     if args.json:
-        write_json({"model": str(args.model), "prompt_tokens": ids.shape[1], "prompt_source": source,
+        write_json({"model": shown(args.model), "prompt_tokens": ids.shape[1], "prompt_source": source,
                     "new_tokens": args.new_tokens, "tolerance": args.tolerance, "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__, "passed": ok, "checks": results}, args.json)
     return 0 if ok else 1

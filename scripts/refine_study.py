@@ -42,6 +42,7 @@ from uptrain.convert import convert  # noqa: E402
 from uptrain.convert.layers.calibrate import Calibration, calibration_sequences, read_calibration_texts  # noqa: E402
 from uptrain.convert.math.refine import refine_model  # noqa: E402
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts  # noqa: E402
+from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
 
 DOCS = 12
 
@@ -177,7 +178,7 @@ def main() -> None:
                         one = len(args.kv) * len(starts) * len(args.inputs) * len(args.steps) * len(args.lr) * len(args.batch) == 1
                         out = args.save if one else args.save / f"kv{kv}-{method}-steps{steps}-lr{lr:g}-batch{batch}-{inputs}"
                         save_refined(converted, folder, out)
-                        row["saved"] = str(out)
+                        row["saved"] = shown(out)
                         print(f"saved {out}", flush=True)
                     if args.json:
                         with open(args.json, "a") as f:

@@ -1,7 +1,7 @@
 """Where the test suite's CPU goes: a pytest plugin that records each test's CPU seconds, and a summary.
 
-    PYTHONPATH=scripts SUITE_CPU_OUT=/tmp/suite-cpu.jsonl bash scripts/test.sh -p suite_cpu
-    python scripts/suite_cpu.py /tmp/suite-cpu.jsonl [--top 25]
+    PYTHONPATH=scripts SUITE_CPU_OUT=runs/suite-cpu.jsonl bash scripts/test.sh -p suite_cpu
+    python scripts/suite_cpu.py runs/suite-cpu.jsonl [--top 25]
 
 Each test appends one JSON line: its CPU seconds in the test process (`self`: user + system) and in
 the child processes it waited for (`child`: every real process it ran, with theirs), its wall time
@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-OUT = os.environ.get("SUITE_CPU_OUT", "suite-cpu.jsonl")
+OUT = os.path.abspath(os.environ.get("SUITE_CPU_OUT", "suite-cpu.jsonl"))  # where pytest started, whatever a test's cwd
 
 
 def _cpu() -> tuple[float, float]:
@@ -50,6 +50,7 @@ def reference_start_up() -> float:
 
 def _record_start_up(when: str) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without workers)
+        os.makedirs(os.path.dirname(OUT), exist_ok=True)
         with open(OUT, "a") as f:
             f.write(json.dumps({"reference_start_up_cpu_s": reference_start_up(), "when": when}) + "\n")
 

@@ -252,3 +252,22 @@ _CONFIG: pytest.Config | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
+
+
+def perturbed_copy(source: Path, folder: Path, seed: int, scale: float = 0.3) -> Path:
+    """A copy of the model folder `source` whose attention heads all differ: every q/k/v/o weight
+    gets seeded noise of `scale` x its RMS (the shipped MHA model's K/V heads are duplicated in
+    pairs, which hides what grouping and calibration change). The source is not modified."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    generator = torch.Generator().manual_seed(seed)
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if any(p in name for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                noise = torch.randn(t.shape, generator=generator, dtype=torch.float32)
+                tensors[name] = (t.float() + scale * t.float().pow(2).mean().sqrt() * noise).to(t.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return folder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def test_a_killed_sweep_leaves_whole_folders_and_the_rerun_continues_it(tmp_path
     assert "fit kv4: kept from the earlier run" in capsys.readouterr().out
     assert list(_points(out)) == ["source", "fit kv4", "fit kv2", "fit kv1"]
     assert (out / "kv4" / "config.json").stat().st_mtime_ns == before  # not converted again
-    assert _points(out)["fit kv4"]["settings"]["calib_tokens"] == 2048
+    assert _points(out)["fit kv4"]["settings"]["conversion"]["calib_tokens"] == 2048
     for count in (4, 2, 1):  # the counts of a run were converted together: one calibration pass for all
         record = json.loads((out / f"kv{count}" / "uptrain_conversion.json").read_text())
         assert record["calibration"]["passes"] == 1 and record["calibration"]["layers_run"] == 5, record["calibration"]
@@ -210,15 +211,45 @@ def test_recommendation_is_the_smallest_count_within_the_bound_or_says_none():
 
 
 def test_a_rerun_on_other_held_out_text_scores_again(tmp_path, capsys):
-    """Scores depend on the text: a rerun with another --stories (or --data) keeps no score of the
-    earlier text (the folders are converted again, the source scored again)."""
+    """Scores depend on the text: a rerun with another --stories keeps no score of the earlier text
+    (the source and every count scored again, the line says why), but keeps the conversions."""
     out = tmp_path / "sweep"
     base = [str(EXAMPLE_MHA8), "--data", str(VALID_TXT), "--threads", "1", "--kv-heads", "2", "--out", str(out)]
     assert main([*base, "--stories", "2"]) == 0
     first = _points(out)
     assert main([*base, "--stories", "2"]) == 0
-    assert "kept from the earlier run" in capsys.readouterr().out
+    assert "mean kv2: kept from the earlier run" in capsys.readouterr().out
+    made = (out / "kv2" / "config.json").stat().st_mtime_ns
     assert main([*base, "--stories", "3"]) == 0
-    assert "kept from the earlier run" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "source: done again, the earlier run's differs: stories 2 -> 3" in printed
+    assert "mean kv2: kept from the earlier run" in printed and "scored again: stories 2 -> 3" in printed
     again = _points(out)
-    assert again["source"]["settings"]["stories"] == 3 and again["source"]["loss"] != first["source"]["loss"]
+    assert again["source"]["settings"]["scoring"]["stories"] == 3 and again["source"]["loss"] != first["source"]["loss"]
+    assert again["mean kv2"]["loss"] != first["mean kv2"]["loss"]
+    assert (out / "kv2" / "config.json").stat().st_mtime_ns == made  # the conversion was kept
+
+
+@pytest.mark.parametrize("signame, phase", [("SIGTERM", None), ("SIGINT", "calibrate"), ("SIGTERM", "refine"),
+                                            ("SIGINT", "write")])
+def test_a_stop_at_any_phase_ends_the_sweep_in_one_line_with_whole_folders(tmp_path, signame, phase):
+    """Ctrl-C / SIGTERM from the first instruction (phase None: during the imports) to the writing
+    of the counts: one line, 130 / 143, no count's folder and no hidden partial one left."""
+    out = tmp_path / "sweep"
+    env = {**os.environ, "UPTRAIN_TEST_PAUSE_AT": f"{phase}:60" if phase else ""}
+    proc = subprocess.Popen([sys.executable, "-m", "uptrain.sweep", str(EXAMPLE_MHA8), *ARGS, "--kv-heads", "4,2",
+                             "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens", "1024", "--refine",
+                             "--refine-steps", "5", "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if phase:
+        while proc.poll() is None and f"paused at {phase}" not in proc.stderr.readline():
+            pass
+    else:
+        time.sleep(0.5)
+    proc.send_signal(getattr(signal, signame))
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + getattr(signal, signame), err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("uptrain.sweep: ") and "every folder is whole" in last and "terminate called" not in err
+    left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert not [n for n in left if n.startswith("kv") or ".partial-" in n], left

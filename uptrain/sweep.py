@@ -21,33 +21,36 @@ curve on sweep.png, a second recommendation): uptrain.sweep_extras.
 and prints the table and a recommendation: the smallest count whose loss is within
 `--max-loss-increase` (default 1%) of the source's, or a plain statement that none is.
 
-A rerun with the same arguments continues: the counts already in sweep.json with their folder are
-kept, the rest converted (each folder appears whole: `uptrain.convert`'s atomic output). Each count
-is its own conversion today (its own read of the source and, with --calib, its own calibration).
+The conversion options are uptrain.convert's (`uptrain.convert.options`: the same flags, the same
+rule for when --calib is used, the same refusals), so each DIR/kv{N} is what `uptrain.convert`
+writes with them. The counts of a method are converted together (`convert.several`: one read of
+the source, one calibration pass) and appear all at once or not at all.
+
+A rerun continues: sweep.json records what every number depends on (`uptrain.sweep_record`: the
+checkpoint's and the texts' content fingerprints, every setting); a count is kept only when its
+record matches and its folder is one this sweep wrote (its mark), scored again when only the
+held-out text changed, done again otherwise, each with a line saying what changed. A folder at one
+of the sweep's paths that it did not write is refused, never replaced.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
+if __name__ == "__main__":  # first act: Ctrl-C / SIGTERM during the imports below end the run cleanly too
+    from uptrain import interrupt
+
+    interrupt.install("uptrain.sweep", "every folder is whole (a count's folders appear all at once); sweep.json "
+                      "keeps the counts scored: rerun to continue")
+
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
-from uptrain.convert.registry.choices import GROUPINGS, METHODS
-from uptrain.convert.io.hfconfig import model_shape, source_family
-from uptrain.convert.math.heads import divisors
-from uptrain.convert.pipeline import check_kv_heads
-from uptrain.convert.plan import human_seconds
-from uptrain.convert.io.source import read_config, resolve_source
+from uptrain.convert.options import ConversionOptions, add_conversion_args, conversion_options
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.sweep_extras import add_extra_args, after_uptraining, check_extras, notes, run_extras, table_columns
+from uptrain.sweep_record import MARK, RECORDS, SweepFolder, changes
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
-from uptrain.units import kv_cache_bytes_per_token
-
-RECORDS = "sweep.json"
 
 
 @dataclass
@@ -80,6 +83,9 @@ class Point:
 def sweep_counts(spec: str, heads: int, kv: int, mqa_only: bool, model_type: str) -> list[int]:
     """The K/V head counts asked for, largest first: "all" (every count below `kv` the model can
     take) or "4,2,1"; UsageError (one line) for a count it cannot take or one not below `kv`."""
+    from uptrain.convert.math.heads import divisors
+    from uptrain.convert.pipeline import check_kv_heads
+
     if spec == "all":
         counts = [1] if mqa_only else [k for k in divisors(kv) if k < kv]
     else:
@@ -117,11 +123,8 @@ def _parser() -> ArgParser:
     p.add_argument("checkpoint", help="the MHA (or GQA) model: a local folder or a Hub id")
     p.add_argument("--data", type=Path, required=True, help="held-out text to score on (.txt: a blank line between "
                    "documents; .jsonl/.json/.parquet: a text field); not the calibration text")
-    p.add_argument("--calib", type=Path, help="calibration text for --method fit / --refine (not --data)")
-    p.add_argument("--calib-tokens", type=positive_int, default=32768, help="calibration tokens (default 32768)")
-    p.add_argument("--method", choices=METHODS, default="mean", help="conversion method (default mean: the paper's)")
-    p.add_argument("--grouping", choices=GROUPINGS, default="contiguous", help="which query heads share a K/V head")
-    p.add_argument("--refine", action="store_true", help="layer-wise reconstruction after the start (needs --calib)")
+    add_conversion_args(p, calib_help="calibration text for --method fit, --grouping similar and --refine, as "
+                        "uptrain.convert reads it (not --data); also the uptraining's text without --train-data")
     p.add_argument("--kv-heads", default="all", help="counts to sweep: 4,2,1 or all (default: every count below "
                    "the source's that it can take)")
     p.add_argument("--baseline", choices=["mean"], help="also sweep mean pooling, drawn beside the chosen method")
@@ -134,19 +137,34 @@ def _parser() -> ArgParser:
     return p
 
 
+def _check_args(args) -> ConversionOptions:
+    """Every refusal that needs no model, before torch is imported: the conversion's (the same
+    lines as uptrain.convert's), then the sweep's own."""
+    options = conversion_options(args)
+    options.check(calib_used_elsewhere=args.uptrain_tokens is not None)  # --calib: also the uptraining's text
+    if args.calib is not None and args.calib.resolve() == args.data.resolve():
+        raise UsageError("--calib and --data are the same file: score on text the calibration did not see "
+                         "(split your text, e.g. the last tenth of its documents for --data)")
+    if not args.data.is_file():
+        raise UsageError(f"--data {args.data} does not exist; pass the held-out text file to score on")
+    return options
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    start_threads(args.threads)
+    options = _check_args(args)
+    sweep = SweepFolder(args.out)  # refuses a folder this version did not write
+    from uptrain.convert.io.hfconfig import model_shape, source_family  # torch and transformers: seconds
+    from uptrain.convert.io.source import read_config, resolve_source
+
     folder = resolve_source(args.checkpoint)
     raw = read_config(folder)
     family, shape = source_family(raw), model_shape(raw)
     counts = sweep_counts(args.kv_heads, shape.heads, shape.kv_heads, family.mqa_only, raw.get("model_type", "?"))
-    if args.refine and args.calib is None:
-        raise UsageError("--refine needs --calib FILE (the text each layer is refined on)")
-    if args.calib is not None and args.calib.resolve() == args.data.resolve():
-        raise UsageError("--calib and --data are the same file: score on text the calibration did not see "
-                         "(split your text, e.g. the last tenth of its documents for --data)")
+    jobs = _jobs(args, options, counts)
+    sweep.check_free([out for _, _, outs in jobs for out in outs.values()] + _uptrained_folders(args, jobs))
+    start_threads(args.threads)
     check_extras(args, folder, raw)  # --bench / --uptrain-tokens: refused here, before anything is written
     from uptrain.data import DataSource, read_documents
     from uptrain.measure.eval import model_windows
@@ -155,68 +173,137 @@ def main(argv: list[str] | None = None) -> int:
     if not texts:
         raise UsageError(f"--data {args.data} holds no held-out text to score on")
     max_length, stride = model_windows([str(folder)])
-    methods = [args.method] + ([args.baseline] if args.baseline and args.baseline != args.method else [])
     print(f"sweep: {shape.kv_heads} K/V heads ({shape.heads} query heads) -> {', '.join(map(str, counts))} with "
-          f"{' and '.join(methods)}; {len(counts) * len(methods)} conversions, each scored on {len(texts):,} "
-          f"held-out documents in {max_length}-token windows (the model's context); into {args.out}", flush=True)
+          f"{' and '.join(name for name, _, _ in jobs)}; {len(counts) * len(jobs)} conversions, each scored on "
+          f"{len(texts):,} held-out documents in {max_length}-token windows (the model's context); into {args.out}",
+          flush=True)
     announce_threads()
-    args.out.mkdir(parents=True, exist_ok=True)
-    done = _read_points(args.out)
-    scoring = _scoring(args)  # a point is kept by a rerun only when scored on the same text
-    done = {label: p for label, p in done.items() if all(p.settings.get(k) == v for k, v in scoring.items())}
-    points = [done.get("source") or _score(folder, "source", "source", shape.kv_heads, scoring, 0.0, texts,
-                                           max_length, stride, args.batch)]
-    _write_points(args.out, points)
-    score_s = points[0].seconds
-    for method in methods:
-        kept = {}
-        for count in counts:
-            point = done.get(f"{method} kv{count}")
-            if point is not None and Path(point.folder).is_dir() and _same_settings(point, args, method):
-                print(f"== {point.label}: kept from the earlier run ({point.folder})", flush=True)
-                kept[count] = point
+    _check_conversions(folder, jobs, counts)  # what needs the model's config: before anything is written
+    fingerprints = sweep.fingerprints(folder, args.data, options.calib if options.calibrated else None)
+    scoring = {"uptrain": fingerprints["uptrain"], "data": str(args.data.resolve()), "data_sha256": fingerprints["data"],
+               "stories": args.stories}
+    done = {p["label"]: Point(**p) for p in sweep.points}
+    source = done.get("source")
+    if source is None or source.settings.get("scoring") != {**scoring, "checkpoint": fingerprints["checkpoint"]}:
+        _say_redone("source", source, {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}})
+        source = _score(folder, "source", "source", shape.kv_heads,
+                        {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}}, 0.0, texts, max_length,
+                        stride, args.batch)
+    points = [source]
+    sweep.write([asdict(p) for p in points])
+    for name, opts, outs in jobs:
+        conversion = {**opts.record(), "checkpoint": fingerprints["checkpoint"], "uptrain": fingerprints["uptrain"],
+                      "calib_sha256": fingerprints["calib"] if opts.calibrated else None}
+        kept = _kept(sweep, done, name, outs, conversion, scoring)
         todo = [n for n in counts if n not in kept]
-        made = _convert_together(args, folder, method, todo, shape.kv_heads, score_s) if todo else {}
+        made = _convert_together(args, folder, sweep, name, opts, outs, todo, conversion, source.seconds) if todo else {}
         for count in counts:  # each scored and recorded in turn: a stopped sweep keeps what it scored
-            points.append(kept.get(count) or _score(*made[count], texts, max_length, stride, args.batch))
-            _write_points(args.out, points)
-    run_extras(args, folder, points, texts, max_length, stride, raw, lambda done: _write_points(args.out, done))
-    _report(args, points, methods[0])
+            point = kept.get(count)
+            if point is None or point.settings["scoring"] != scoring:
+                point = _score(*(made.get(count) or _rescore(point)), texts, max_length, stride, args.batch)
+                point.settings["scoring"] = scoring
+            points.append(point)
+            sweep.write([asdict(p) for p in points])
+    _for_this_run(points, args.batch, shape.kv_heads)
+    run_extras(args, folder, points, texts, max_length, stride, raw, lambda now: sweep.write([asdict(p) for p in now]),
+               sweep.mark)
+    sweep.write([asdict(p) for p in points])
+    _report(args, points, jobs[0][0])
     return 0
 
 
-def _convert_together(args, folder: Path, method: str, counts: list[int], source_kv: int, score_s: float
-                      ) -> dict[int, tuple]:
-    """Convert `folder` to every count of `counts` with `method` into OUT/[mean-]kv{count}, together
-    (`convert_counts`: one read of the source, one calibration pass); per count, `_score`'s first
-    arguments (folder, label, method, count, settings, seconds)."""
+def _jobs(args, options: ConversionOptions, counts: list[int]) -> list[tuple[str, ConversionOptions, dict]]:
+    """(method name, its options, {count: folder}) of the chosen method and the --baseline."""
+    jobs = [(options.method, options, {n: args.out / f"kv{n}" for n in counts})]
+    if args.baseline and args.baseline != options.method:
+        jobs.append((args.baseline, options.baseline(), {n: args.out / f"{args.baseline}-kv{n}" for n in counts}))
+    return jobs
+
+
+def _check_conversions(folder: Path, jobs: list[tuple[str, ConversionOptions, dict]], counts: list[int]) -> None:
+    """Plan each method's conversion as uptrain.convert would (`prepare`: headers and config only,
+    nothing run or read) so that what this model refuses is refused before the source is scored."""
+    from uptrain.convert.pipeline import prepare
+
+    for _, options, _ in jobs:
+        prepare(str(folder), counts[-1], options.method, options.seed, grouping=options.grouping,
+                calibration=options.calibration(), refine=options.refine_settings())
+
+
+def _uptrained_folders(args, jobs) -> list[Path]:
+    if args.uptrain_tokens is None:
+        return []
+    return [args.out / f"{out.name}-uptrained" for _, _, outs in jobs for out in outs.values()]
+
+
+def _kept(sweep: SweepFolder, done: dict, name: str, outs: dict[int, Path], conversion: dict,
+          scoring: dict) -> dict[int, "Point"]:
+    """The earlier run's points of `name` whose folder is ours, whole, and converted as asked now;
+    a line for each, and for each one redone the reason."""
+    kept = {}
+    for count, out in outs.items():
+        point = done.get(f"{name} kv{count}")
+        whole = point is not None and sweep.owns(out) and (out / "config.json").is_file()
+        if whole and point.settings.get("conversion") == conversion:
+            again = "" if point.settings.get("scoring") == scoring else (
+                "; scored again: " + ", ".join(changes(point.settings.get("scoring") or {}, scoring)))
+            print(f"== {point.label}: kept from the earlier run ({point.folder}){again}", flush=True)
+            kept[count] = point
+        elif point is not None:
+            _say_redone(point.label, point if whole else None, {"conversion": conversion})
+    return kept
+
+
+def _say_redone(label: str, point: "Point | None", wanted: dict) -> None:
+    """One line: why an earlier run's point is not kept (nothing when there was none)."""
+    if point is None:
+        return
+    (key, value), = wanted.items()
+    what = ", ".join(changes(point.settings.get(key) or {}, value)) or "its folder is not whole"
+    print(f"== {label}: done again, the earlier run's differs: {what}", flush=True)
+
+
+def _rescore(point: "Point") -> tuple:
+    """`_score`'s first arguments for a kept folder scored again."""
+    return (Path(point.folder), point.label, point.method, point.kv_heads, dict(point.settings), point.seconds)
+
+
+def _for_this_run(points: list["Point"], batch: int, source_kv: int) -> None:
+    """KV bytes at full context for this run's --batch (kept points were measured at another)."""
+    for p in points:
+        p.kv_bytes_at_context = p.kv_bytes_per_token * p.settings["context"] * batch
+        p.settings.update(batch=batch, source_kv_heads=source_kv)
+
+
+def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options: ConversionOptions,
+                      outs: dict[int, Path], counts: list[int], conversion: dict, score_s: float) -> dict[int, tuple]:
+    """Convert `folder` to every count of `counts` with `options` into its folder, together
+    (`convert_counts`: one read of the source, one calibration pass; all folders or none) with the
+    sweep's mark; per count, `_score`'s first arguments (folder, label, method, count, settings, seconds)."""
     from uptrain.convert.several import convert_counts
 
-    calibration, refine = None, None
-    settings = _conversion_settings(args, method, source_kv)
-    if settings["calib"]:
-        from uptrain.convert.layers.calibrate import Calibration
-
-        calibration = Calibration(args.calib, args.calib_tokens, "cpu")
-        if args.refine:
-            from uptrain.convert.layers.refine_layer import RefineSettings
-
-            # a line per refined layer (convert_counts names its count)
-            refine = RefineSettings(log=lambda line: print(f"   {line}", flush=True))
-    outs = {n: args.out / (f"kv{n}" if method == args.method else f"{method}-kv{n}") for n in counts}
+    calibration = options.calibration()
+    refine = options.refine_settings(log=lambda line: print(f"   {line}", flush=True))  # convert_counts names the count
     began = time.monotonic()
-    print(f"== {method} kv{', kv'.join(map(str, counts))}: converting together into {args.out} (one read of the "
+    print(f"== {name} kv{', kv'.join(map(str, counts))}: converting together into {args.out} (one read of the "
           f"source{', one calibration pass' if calibration else ''})", flush=True)
-    convert_counts(str(folder), outs, method, force=True, calibration=calibration, grouping=settings["grouping"],
-                   refine=refine, on_planned=lambda plans: _print_estimate(plans, score_s))
+    convert_counts(str(folder), {n: outs[n] for n in counts}, options.method, seed=options.seed, force=True,
+                   calibration=calibration, grouping=options.grouping, refine=refine,
+                   on_planned=lambda plans: _print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"})
+    from uptrain import interrupt
+
+    interrupt.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now
     seconds = (time.monotonic() - began) / len(counts)  # the conversion's share of each count
-    name = method + ("+refine" if refine else "")
-    return {n: (outs[n], f"{method} kv{n}", name, n, {**settings, "converted_with": counts}, seconds) for n in counts}
+    method = options.method + ("+refine" if refine else "")
+    settings = {"conversion": conversion, "converted_with": counts}
+    return {n: (outs[n], f"{name} kv{n}", method, n, settings, seconds) for n in counts}
 
 
 def _print_estimate(plans: dict, score_s: float) -> None:
     """The sweep's plan: what the conversions will take at most (refine's measured step time, as the
     converter's plan states it for one count) and the scoring, from the source's own scoring time."""
+    from uptrain.convert.plan import human_seconds
+
     refine = [p.refinement["probe"].get("seconds_at_most") for p in plans.values() if p.refinement]
     parts = []
     if refine and all(s is not None for s in refine):
@@ -231,7 +318,9 @@ def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict,
            max_length: int, stride: int, batch: int) -> Point:
     """Score `folder` with uptrain.eval's code (`evaluate_paths`) and size its KV cache."""
     from transformers import AutoConfig
+    from uptrain.convert.io.hfconfig import model_shape
     from uptrain.measure.eval import evaluate_paths
+    from uptrain.units import kv_cache_bytes_per_token
 
     began = time.monotonic()
     (result,) = evaluate_paths([str(folder)], texts, max_length, stride)
@@ -243,47 +332,9 @@ def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict,
     itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
     per_token = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
     context = getattr(config, "max_position_embeddings", None) or max_length
-    settings = {**settings, "source_kv_heads": settings.get("source_kv_heads", kv_heads), "context": context,
-                "batch": batch, "max_length": max_length, "stride": stride}
+    settings = {**settings, "context": context, "batch": batch, "max_length": max_length, "stride": stride}
     return Point(label, method, kv_heads, result.loss, result.perplexity, per_token, per_token * context * batch,
                  str(folder), settings, round(seconds + time.monotonic() - began, 3))
-
-
-def _conversion_settings(args, method: str, source_kv: int) -> dict:
-    """What a count's conversion was made with (a rerun keeps a point only when they are the same)."""
-    chosen = method == args.method
-    calibrated = chosen and args.calib is not None and (method == "fit" or args.refine)
-    return {**_scoring(args), "method": method, "grouping": args.grouping if chosen else "contiguous",
-            "calib": str(args.calib.resolve()) if calibrated else None,
-            "calib_tokens": args.calib_tokens if calibrated else None, "refine": bool(chosen and args.refine),
-            "source_kv_heads": source_kv}
-
-
-def _scoring(args) -> dict:
-    """What a point's scores depend on besides its folder: the held-out text and how much of it."""
-    return {"data": str(args.data.resolve()), "stories": args.stories}
-
-
-def _same_settings(point: Point, args, method: str) -> bool:
-    wanted = _conversion_settings(args, method, point.settings.get("source_kv_heads"))
-    return all(point.settings.get(k) == v for k, v in wanted.items())
-
-
-def _read_points(out: Path) -> dict[str, Point]:
-    path = out / RECORDS
-    if not path.is_file():
-        return {}
-    try:
-        return {r["label"]: Point(**r) for r in json.loads(path.read_text())["points"]}
-    except (ValueError, KeyError, TypeError):
-        return {}  # an unreadable record: redo everything
-
-
-def _write_points(out: Path, points: list[Point]) -> None:
-    """sweep.json, written whole after every count (a stopped sweep keeps what it finished)."""
-    tmp = out / f".{RECORDS}.tmp"
-    tmp.write_text(json.dumps({"points": [asdict(p) for p in points]}, indent=1) + "\n")
-    os.replace(tmp, out / RECORDS)
 
 
 def _report(args, points: list[Point], method: str) -> None:
@@ -310,4 +361,5 @@ def _report(args, points: list[Point], method: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    interrupt.finish(code)  # after a signal held while folders were put in place: at once

@@ -179,8 +179,10 @@ def bench_settings(args: argparse.Namespace) -> dict:
 
 
 def run_extras(args: argparse.Namespace, source: Path, points: list, texts: list[str], max_length: int,
-               stride: int, raw_config: dict, write: Callable[[list], None]) -> None:
-    """--bench on every point, then --uptrain-tokens on every converted one; `write(points)` after each."""
+               stride: int, raw_config: dict, write: Callable[[list], None],
+               mark: Callable[[Path], None] = lambda folder: None) -> None:
+    """--bench on every point, then --uptrain-tokens on every converted one; `write(points)` after each;
+    `mark(run_dir)` before an uptraining fills its run folder (the sweep's ownership mark)."""
     if args.bench:
         wanted = bench_settings(args)
         for point in points:
@@ -198,7 +200,7 @@ def run_extras(args: argparse.Namespace, source: Path, points: list, texts: list
             if point.loss_after_uptraining is not None and done and _same(point.uptrain_settings, wanted):
                 print(f"== {point.label}: uptraining kept from the earlier run ({point.uptrained_folder})", flush=True)
                 continue
-            _uptrain_and_score(args, source, point, texts, max_length, stride, raw_config, wanted)
+            _uptrain_and_score(args, source, point, texts, max_length, stride, raw_config, wanted, mark)
             write(points)
 
 
@@ -227,7 +229,7 @@ def _bench(args: argparse.Namespace, folder: Path, settings: dict) -> tuple[floa
 
 
 def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: list[str], max_length: int, stride: int,
-                       raw_config: dict, settings: dict) -> None:
+                       raw_config: dict, settings: dict, mark: Callable[[Path], None]) -> None:
     """Uptrain `point`'s folder into OUT/<its folder>-uptrained/ and score model/ there; fills the point."""
     from uptrain.measure.eval import evaluate_paths
     from uptrain.train import train
@@ -237,6 +239,7 @@ def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: lis
     print(f"== {point.label}: uptrain {args.uptrain_tokens:,} tokens with {_shown(args.uptrain_config)} into "
           f"{run_dir} (training text {_shown(training_text(args))})", flush=True)
     began = time.monotonic()
+    mark(run_dir)
     train(config)
     finished = json.loads((run_dir / "finished.json").read_text())
     (result,) = evaluate_paths([str(run_dir / "model")], texts, max_length, stride)

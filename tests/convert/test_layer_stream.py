@@ -225,6 +225,57 @@ def test_users_of_one_stream_each_get_every_layer_and_the_stream_runs_once(one_t
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
+SLOW_USER_CASES = [(users, slow) for users in (2, 3, 4) for slow in range(users)]
+
+
+@pytest.mark.parametrize(("users", "slow"), SLOW_USER_CASES, ids=[f"{u}users-slow{s}" for u, s in SLOW_USER_CASES])
+def test_whichever_user_is_slow_finds_its_layer_still_there(users, slow, one_torch_thread):
+    """Each user in turn is the slow one (not only the last, as above): the stream never frees a
+    layer that user has not moved past, so its recordings are still there when it asks (a stream
+    that ignored any one user would free its layer under it: LayerGone)."""
+    import threading
+
+    prefixes = [f"model.layers.{i}.self_attn." for i in range(3)]
+    shared = Calibration(TRAIN_TXT, 600, keep="attention", users=users).bind(EXAMPLE_MHA8)
+    errors = []
+
+    def user(u: int) -> None:
+        try:
+            for p in prefixes:
+                shared.sigma(p, u)
+                if u == slow:  # the others run ahead meanwhile, as far as the stream lets them
+                    time.sleep(0.1)
+                    assert len(shared.layer(p, u).recorded().inputs) > 0
+            shared.leave(u)
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+            shared.leave(u, failed=repr(err))
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert shared.record["layers_run"] == len(prefixes) and shared.record["passes"] == 1
+
+
+def test_a_user_asking_for_a_layer_the_stream_has_left_is_told_why(one_torch_thread):
+    """A layer run and freed (every user took it and moved on) is not 'no attention module': the
+    error says the stream moved on, as `LayerGone` does for what a layer no longer holds."""
+    import threading
+
+    prefixes = [f"model.layers.{i}.self_attn." for i in range(3)]
+    shared = Calibration(TRAIN_TXT, 600, users=2).bind(EXAMPLE_MHA8)
+    threads = [threading.Thread(target=lambda u=u: [shared.sigma(p, u) for p in prefixes]) for u in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    with pytest.raises(LayerGone, match=r"layer 0 \(model.layers.0.self_attn\) is gone: the calibration stream "
+                                        r"had moved on to layer 3 when user 0 asked for it"):
+        shared.sigma(prefixes[0], 0)
+
+
 def test_a_user_that_fails_stops_the_others_waiting(one_torch_thread):
     """One user ending with an error (its conversion failed) ends the others' waits with an error,
     instead of leaving them blocked on a layer it will never move past."""

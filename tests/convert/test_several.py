@@ -75,3 +75,58 @@ def test_one_count_failing_stops_all_and_leaves_no_folder(tmp_path, one_torch_th
                        calibration=Calibration(TRAIN_TXT, 600), refine=RefineSettings(steps=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv2"]
     assert [p.name for p in (tmp_path / "kv2").iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.parametrize("blocker", ["file", "folder"])
+def test_an_output_blocked_after_planning_leaves_no_count_written(tmp_path, blocker, one_torch_thread):
+    """All or none: the kv2 path taken (by a file, or by a folder without force) after every count was
+    planned and checked: the conversion fails with one line and no count's folder appears."""
+    outs = {n: tmp_path / f"kv{n}" for n in COUNTS}
+
+    def block(plans):
+        if blocker == "file":
+            outs[2].write_text("a user's file")
+        else:
+            outs[2].mkdir()
+
+    with pytest.raises(UsageError, match="kv2 .*appeared during the conversion|kv2 is a file"):
+        convert_counts(str(EXAMPLE_MHA8), outs, "mean", on_planned=block)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv2"]  # the blocker only: no folder, no leftover
+
+
+KILLER = """
+import sys
+from pathlib import Path
+from uptrain.convert.layers.calibrate import Calibration
+from uptrain.convert.layers.refine_layer import RefineSettings
+from uptrain.convert.several import convert_counts
+out = Path(sys.argv[1])
+convert_counts(sys.argv[2], {n: out / f"kv{n}" for n in (4, 2, 1)}, "fit", calibration=Calibration(sys.argv[3], 600),
+               refine=RefineSettings(steps=30))
+"""
+
+
+def test_a_kill_at_any_moment_leaves_all_counts_or_none(tmp_path):
+    """SIGKILL at moments across the conversion (from the first hidden folder on): every count's
+    folder is there, whole, or none is (the hidden partial folders are not outputs)."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    moments = [0.0, *sorted(random.Random(7).uniform(0.05, 2.5) for _ in range(3))]
+    for i, delay in enumerate(moments):
+        out = tmp_path / f"run{i}"
+        out.mkdir()
+        proc = subprocess.Popen([sys.executable, "-c", KILLER, str(out), str(EXAMPLE_MHA8), str(TRAIN_TXT)], cwd=REPO)
+        while proc.poll() is None and not any(out.iterdir()):
+            time.sleep(0.01)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait(timeout=60)
+        present = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        assert present in ([], ["kv1", "kv2", "kv4"]), (delay, present)
+        for name in present:
+            assert (out / name / "uptrain_conversion.json").is_file(), (delay, name)

@@ -265,3 +265,23 @@ def test_the_grace_comes_from_the_config_the_launch_script_or_torchrun_and_a_sho
     grace, _, warning = stop_grace(300, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})
     assert grace == 30.0 and "launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in warning
     assert stop_grace(300, {**torchrun, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}) == (300.0, "stop_grace_s", None)
+
+
+def test_a_stop_checkpoint_is_skipped_exactly_when_the_last_write_is_longer_than_what_is_left_of_the_grace():
+    # Over the whole range of "what is left": from the whole grace (the signal came just now) to
+    # none and past it (a long step used it up), writes just under and just over what is left, each
+    # also under the whole grace: the whole grace is never the measure once any of it is used.
+    from uptrain.train.preempt import checkpoint_overruns, seconds_left
+
+    rng = random.Random(5)
+    for grace in (1.0, 3.0, 30.0, 300.0, 3600.0):
+        for used in [0.0, 1e-3, grace * 0.999, grace, grace * 1.5, *(rng.uniform(0, grace) for _ in range(50))]:
+            left = grace - used
+            assert seconds_left(grace, used) == pytest.approx(left)
+            for write in (0.0, left * 0.5, left - 1e-6, left + 1e-6, (left + grace) / 2, grace * 0.999, grace * 2):
+                if write < 0:
+                    continue
+                assert checkpoint_overruns(write, grace, used) == (write > left), (grace, used, write)
+    # unknowns: no deadline, no signal yet, or no write measured: the checkpoint is tried
+    assert not checkpoint_overruns(5.0, None, 1.0) and not checkpoint_overruns(5.0, 3.0, None)
+    assert not checkpoint_overruns(None, 3.0, 2.9) and seconds_left(None, 1.0) is None

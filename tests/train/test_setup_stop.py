@@ -16,7 +16,7 @@ import pytest
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, MHA8, REPO, need_models, tiny_overrides
 from uptrain.train.__main__ import main
-from uptrain.train.run_state import PREEMPTED_FILE
+from uptrain.train.run_state import PREEMPTED_FILE, complete_checkpoints
 from uptrain.train.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,6 +41,51 @@ def test_a_stop_signal_during_set_up_stops_there_with_one_line(tmp_path, capsys,
     assert json.loads((run_dir / PREEMPTED_FILE).read_text())["phase"] == said
     monkeypatch.delenv("UPTRAIN_TEST_SIGNAL_IN_SETUP")
     assert main([str(DEMO), *tiny_overrides(run_dir, threads=1), "resume=latest"]) == 0  # nothing to redo
+
+
+def _stop_in_setup(run_dir, hook: str, *extra: str) -> tuple[str, dict]:
+    """Run the tiny config in this process with UPTRAIN_TEST_SIGNAL_IN_SETUP=`hook`; it must stop in
+    set-up (exit 75, no Traceback); (its last stderr line, its preempted.json)."""
+    os.environ["UPTRAIN_TEST_SIGNAL_IN_SETUP"] = hook
+    try:
+        code = main([str(DEMO), *tiny_overrides(run_dir, threads=1, **{"checkpoint.every": 2}), *extra])
+    finally:
+        del os.environ["UPTRAIN_TEST_SIGNAL_IN_SETUP"]
+    return code, json.loads((run_dir / PREEMPTED_FILE).read_text())
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_stop_in_every_set_up_phase_of_a_fresh_run_and_of_a_resume_stops_there(tmp_path, capsys, signame):
+    # Every phase before the first step, at its start and (checkpoint load, step-0 evaluation) at
+    # the end of its work: a stop there is a stop during set-up (exit 75, no new checkpoint, the
+    # phase named), never one after step 1 (which would mean set-up was declared done too early).
+    need_models()
+    run_dir = tmp_path / "run"
+    fresh = [("checks", "checks"), ("data", "data tokenization"), ("models", "models loading"),
+             ("step-0", "step-0 evaluation"), ("step-0:end", "step-0 evaluation")]
+    for hook, said in fresh:
+        code, mark = _stop_in_setup(run_dir, f"{hook.split(':')[0]}:{signame}{':end' * hook.endswith(':end')}",
+                                    *(["resume=latest"] if (run_dir / "run.yaml").exists() else []))
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert (code, mark.get("phase"), mark["signal"]) == (EXIT_PREEMPTED, said, signame), (hook, line)
+        assert line.startswith(f"stopped by {signame} during set-up ({said}), before the first step"), line
+        assert not (run_dir / "checkpoints").exists(), hook
+    # a checkpoint to resume from: stopped after step 2 (checkpoint.every 2), then each resume stopped
+    os.environ["UPTRAIN_TEST_SIGNAL_AT"] = "2:0:SIGTERM"
+    try:
+        assert main([str(DEMO), *tiny_overrides(run_dir, threads=1, **{"checkpoint.every": 2}), "resume=latest"]) \
+            == EXIT_PREEMPTED
+    finally:
+        del os.environ["UPTRAIN_TEST_SIGNAL_AT"]
+    (kept,) = complete_checkpoints(run_dir)
+    for hook in ("checkpoint", "checkpoint:end"):
+        code, mark = _stop_in_setup(run_dir, f"checkpoint:{signame}{':end' * hook.endswith(':end')}", "resume=latest")
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert (code, mark.get("phase"), mark["checkpoint"]) == (EXIT_PREEMPTED, "checkpoint load", str(kept)), line
+        assert line.startswith(f"stopped by {signame} during set-up (checkpoint load), before the first step: "
+                               f"last complete checkpoint {kept} kept"), line
+        assert complete_checkpoints(run_dir) == [kept], hook
+    assert main([str(DEMO), *tiny_overrides(run_dir, threads=1, **{"checkpoint.every": 2}), "resume=latest"]) == 0
 
 
 SAMPLES = "{tokens: 12000, max_new_tokens: 128, batch: 16, temperature: 1.0, top_p: 0.95, seed: 3}"

@@ -125,6 +125,59 @@ def _submit(conf: str, run_dir: Path, log: Path, args: list[str], *sbatch_opts: 
     return proc.stdout.strip().split(";")[0]
 
 
+def _grace(script: Path, **env) -> subprocess.CompletedProcess:
+    """`bash SCRIPT --grace` (what the job would use), with `env` on top of this environment."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("SBATCH_SIGNAL", "UPTRAIN_GRACE_S")}
+    return subprocess.run(["bash", str(script), "--grace"], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=30)
+
+
+def _with_header(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    copy = tmp_path / name
+    text = SBATCH.read_text()
+    assert text.count(old) == 1, old
+    copy.write_text(text.replace(old, new))
+    return copy
+
+
+def test_the_grace_is_the_signal_lead_time_sbatch_reads_and_nothing_else(tmp_path):
+    # One owner: the --signal lead time, read where sbatch reads it (SBATCH_SIGNAL beats the header's
+    # directive); checked over a range of lead times, both signal targets and Slurm's 60 s default.
+    header = "#SBATCH --signal=B:USR1@300"
+    assert _grace(SBATCH).stdout.strip() == f"grace 300s ({header} in the script)"
+    for seconds in (1, 30, 45, 299, 600, 3600, 86400):
+        copy = _with_header(tmp_path, f"at{seconds}.sbatch", header, f"#SBATCH --signal B:USR1@{seconds}")
+        assert _grace(copy).stdout.strip() == f"grace {seconds}s (#SBATCH --signal=B:USR1@{seconds} in the script)"
+        for spec in (f"B:USR1@{seconds}", f"R:USR1@{seconds}", f"USR1@{seconds}", f"10@{seconds}"):
+            assert _grace(copy, SBATCH_SIGNAL=spec).stdout.strip() == f"grace {seconds}s (SBATCH_SIGNAL={spec})"
+    assert _grace(SBATCH, SBATCH_SIGNAL="B:USR1").stdout.strip() == "grace 60s (SBATCH_SIGNAL=B:USR1)"
+    later = _with_header(tmp_path, "later.sbatch", header, f"{header}\n#SBATCH --signal=B:USR1@900")
+    assert _grace(later).stdout.startswith("grace 900s")  # sbatch: the last directive wins
+    after = _with_header(tmp_path, "after.sbatch", "set -uo pipefail", "set -uo pipefail\n#SBATCH --signal=B:USR1@5")
+    assert _grace(after).stdout.startswith("grace 300s")  # a directive after the first command is a comment
+    # unusable: no directive, a zero or malformed lead time, the old second place set to another value
+    for bad, env in [(_with_header(tmp_path, "none.sbatch", header, "#"), {}), (SBATCH, {"SBATCH_SIGNAL": "B:USR1@0"}),
+                     (SBATCH, {"SBATCH_SIGNAL": "B:USR1@5m"}), (SBATCH, {"UPTRAIN_GRACE_S": "600"})]:
+        proc = _grace(bad, **env)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, (env, proc)
+        assert "error: " in proc.stderr and "--signal" in proc.stderr, proc.stderr
+    assert _grace(SBATCH, UPTRAIN_GRACE_S="300").returncode == 0  # the same value: harmless
+
+
+def test_a_job_uses_the_grace_slurm_was_given_through_sbatch_signal(cluster, tmp_path):
+    # A real submission with SBATCH_SIGNAL (it beats the header, and the job inherits it): the job
+    # says the grace it hands on. A finished run: the job ends there, cheaply.
+    need_models()
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    run_dir.mkdir()
+    (run_dir / "finished.json").write_text("{}")
+    job = _submit(cluster, run_dir, log, _args(run_dir), SBATCH_SIGNAL="B:USR1@45")
+    _wait_for("the job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 120, log, period=0.5)
+    text = log.read_text()
+    assert _job(cluster, job)["JobState"] == "COMPLETED", text
+    assert "restart 0]: grace 45s (SBATCH_SIGNAL=B:USR1@45)" in text and "already finished" in text, text
+
+
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -164,6 +217,9 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
                    timeout=30)
     text = log.read_text()
     assert "restart 0]: got SIGUSR1: passing SIGUSR1 to the training step" in text, text[-4000:]
+    # the grace: the header's lead time, handed to the trainer (its plan line) by the script alone
+    assert "restart 0]: grace 300s (#SBATCH --signal=B:USR1@300 in the script)" in text, text[-4000:]
+    assert "grace 300 s (UPTRAIN_STOP_GRACE_S)" in text, text[-4000:]
     first = re.findall(r"stopped by SIGUSR1 after step (\d+) of", text)
     assert len(first) == 1 and 2 <= int(first[0]) < STEPS - 10, text[-4000:]
 

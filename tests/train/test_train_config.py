@@ -203,3 +203,28 @@ def test_training_a_model_that_was_not_converted_warns(tmp_path, capsys):
     assert f"warning: model {MHA8} has as many K/V heads as query heads (8): it is not a GQA conversion" in out, out
     assert main([str(DEMO), *tiny_overrides(tmp_path / "run2", steps=1, **{"optim.warmup_steps": 0, "threads": 1})]) == 0
     assert "warning: model" not in capsys.readouterr().out  # a converted model (4 of 8): no warning
+
+
+def test_help_points_to_a_heading_that_exists_and_holds_every_key_it_lists():
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "uptrain.train", "--help"], cwd=REPO, capture_output=True, text=True,
+                          env={**__import__("os").environ, "COLUMNS": "1000"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    found = re.search(r"key table in (\S+) \((#+ [^)]+)\)", text)
+    assert found, text
+    doc, heading = REPO / found.group(1), found.group(2)
+    assert doc.is_file(), doc
+    lines = doc.read_text().splitlines()
+    assert heading in lines, f"{doc} has no heading {heading!r}"
+    level = len(heading.split()[0])  # the section: up to the next heading of this level or above
+    section = lines[lines.index(heading) + 1:]
+    end = next((i for i, line in enumerate(section) if re.match(rf"#{{1,{level}}} ", line)), len(section))
+    table = "\n".join(line for line in section[:end] if line.startswith("|"))
+    listed = re.search(r"config sections: ([\w, ]+); top-level keys: ([\w, ]+)\.", text)
+    keys = [k.strip() for k in f"{listed.group(1)},{listed.group(2)}".split(",")]
+    missing = [k for k in keys if not re.search(rf"`{k}[.`]|`{k}\.", table)]
+    assert not missing, f"{heading} in {doc} does not name {missing}"

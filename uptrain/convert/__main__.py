@@ -7,10 +7,23 @@ safetensors checkpoint pooled the paper's way (the common case), the tensors tha
 unchanged are listed from the headers and their copy starts at once, while a worker thread
 imports, plans (the plan is printed when ready) and builds the pooled tensors. Everything the
 copy needs is standard library; the plan must then confirm every tensor copied, or the copy is
-discarded and the plan written as usual.
+discarded and the plan written as usual. For the same reason what needs no model is refused
+before those imports (`early`).
+
+Ctrl-C and SIGTERM (`interrupt`), first or second, at any point, end the run at once with one
+line, exit 130 (SIGINT) or 143 (SIGTERM, 128 + 15 as a shell reports it), the output folder as
+it was and no temporary folder beside it (only while the finished folder is put in place is the
+signal reported after it, the new folder complete). Converting to
+the checkpoint's own K/V head count is refused (exit 2): nothing would change, --dtype included
+(this tool changes K/V heads; the checkpoint can be loaded in any dtype as it is).
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # first act: a signal during the imports below ends the run cleanly too
+    from uptrain import interrupt
+
+    interrupt.install()
 
 import argparse
 import errno
@@ -25,11 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from uptrain.cli import ArgParser, positive_int, prog_name
-from uptrain.convert.registry.choices import GROUPINGS, METHODS, REFINE_INPUTS
+from uptrain import interrupt
+from uptrain.convert.io.early import check_before_imports
+from uptrain.convert.options import add_conversion_args, conversion_options
 from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
 from uptrain.convert.io.output_dir import atomic_output_dir, check_output_path
+from uptrain.convert.progress import print_line
 from uptrain.convert.io.shards import ShardWriter
-from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only, like the imports above
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.units import DTYPE_NAMES, parse_size
 
@@ -39,32 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="local checkpoint folder or Hugging Face Hub model id")
     p.add_argument("--kv-heads", type=int, required=True, help="K/V heads per layer after conversion")
     p.add_argument("--out", type=Path, help="output folder (required unless --dry-run)")
-    p.add_argument("--method", choices=METHODS, default="mean",
-                   help="mean: the paper's mean pooling (default); first / random: the paper's ablations; "
-                        "fit: least-squares K/V fit with compensation in Q and O")
-    p.add_argument("--grouping", choices=GROUPINGS, default="contiguous",
-                   help="contiguous: heads j*g..(j+1)*g-1 share K/V head j (default); similar: equal groups "
-                        "of the most alike heads (q/o permuted to match)")
-    p.add_argument("--calib", type=Path, metavar="FILE",
-                   help="text (.txt cut by --calib-text-unit, .jsonl/.json/.parquet 'text'; read as the trainer "
-                        "and eval read it) whose attention-input statistics weight --method fit / --grouping "
-                        "similar; runs the model one layer at a time")
-    p.add_argument("--calib-text-unit", choices=list(TEXT_UNITS), default=DataSource.text_unit,
-                   help="what one document of a .txt --calib file is: a paragraph (documents separated by a "
-                        "blank line; default, as the trainer's data.*.text_unit), a line or the whole file")
-    p.add_argument("--calib-tokens", type=int, default=32768, help="tokens of --calib to run (default 32768)")
-    p.add_argument("--refine", action="store_true",
-                   help="after the closed-form start (fit, or mean where fit refuses the family), tune each layer's "
-                        "attention weights with Adam so its output matches the original layer's on --calib text")
-    p.add_argument("--refine-steps", type=int, default=1200,
-                   help="most Adam steps per layer (default 1200; a held-out slice of --calib stops earlier)")
-    p.add_argument("--refine-lr", type=float, default=1e-2,
-                   help="Adam learning rate relative to each weight's RMS (default 1e-2)")
-    p.add_argument("--refine-inputs", choices=REFINE_INPUTS, default="original",
-                   help="each layer learns on the original model's activations (default; measured as good, "
-                        "results/refine.md) or on the converted model's own (one more activation copy)")
-    p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --method random")
+    add_conversion_args(p)  # the same options as the sweep's, one rule for what they mean (convert/options.py)
     p.add_argument("--revision", help="Hub branch, tag or commit")
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="output dtype (default: keep the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
@@ -93,15 +83,12 @@ def _copy_while_planning(args: argparse.Namespace) -> list[StoredRange] | None:
 def _prepare_args(args: argparse.Namespace, calibration: Any = None) -> dict[str, Any]:
     from uptrain.units import DTYPES
 
-    refine = None
-    if args.refine:
-        from uptrain.convert.layers.refine_layer import RefineSettings
-
-        refine = RefineSettings(args.refine_steps, args.refine_lr, args.refine_inputs,
-                                log=lambda line: print(line, flush=True))
+    # refine's per-layer line is printed by `progress`, with the layers done and the time left
+    refine = conversion_options(args).refine_settings()
     return dict(checkpoint=args.checkpoint, kv_heads=args.kv_heads, method=args.method, seed=args.seed,
                 revision=args.revision, dtype=DTYPES.get(args.dtype), grouping=args.grouping,
-                calibration=calibration, headers_only=args.dry_run, refine=refine)
+                calibration=calibration, headers_only=args.dry_run, refine=refine, allow_same=False,
+                progress=None if args.dry_run else print_line)
 
 
 def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], max_shard: int,
@@ -113,6 +100,7 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
         writer = ShardWriter(tmp, kept, max_shard, stem="kept")
 
         def job(cancel: threading.Event) -> Any:
+            interrupt.pause("import")
             with phases("import"):
                 from uptrain.convert import pipeline
                 from uptrain.convert.plan import format_plan
@@ -151,9 +139,9 @@ def report_internal_errors(main: Callable[[list[str] | None], int]) -> Callable[
             return main(argv)
         except UsageError:
             raise
-        except KeyboardInterrupt:
-            print("uptrain.convert: interrupted; the output folder is as it was", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt:  # as a function (the CLI's own signals end it in `interrupt`)
+            print(interrupt.message(), file=sys.stderr, flush=True)
+            return interrupt.exit_code()
         except Exception as err:  # noqa: BLE001 - the last stop before a traceback
             if os.environ.get("UPTRAIN_DEBUG") or "--verbose" in (sys.argv[1:] if argv is None else argv):
                 traceback.print_exc()
@@ -170,19 +158,26 @@ def report_internal_errors(main: Callable[[list[str] | None], int]) -> Callable[
     return wrapper
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command (`argv` None: this process's arguments, with the signal handling of `interrupt`
+    and its exit; a list: as a function, for tests, the process's handlers left alone)."""
+    if argv is not None:
+        return _main(argv)
+    interrupt.install()
+    interrupt.finish(_main(None))
+    return 0  # not reached
+
+
 @exit_on_usage_error
 @report_internal_errors
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     phases = Phases()
     args = build_parser().parse_args(argv)
     if not args.dry_run and args.out is None:
         raise UsageError("--out is required (or pass --dry-run to only print the plan)")
     max_shard = parse_size(args.max_shard_size)
-    if args.calib_tokens <= 0:
-        raise UsageError(f"--calib-tokens must be positive, got {args.calib_tokens}")
-    if args.refine and not args.calib:
-        raise UsageError("--refine needs --calib FILE (the text whose attention outputs the converted layers "
-                         "are tuned to match)")
+    conversion_options(args).check()  # what no conversion can run, as the sweep refuses it
+    check_before_imports(args)
     try:
         kept = _copy_while_planning(args)
         if kept is not None:
@@ -206,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
               + f" held-out error per layer ({sum(x['steps_run'] for x in done)} steps, "
                 f"{sum(x['seconds'] for x in done):.1f} s)")
     print(f"wrote {args.out}")
+    if interrupt.pending():  # it came while the folder was put in place: the point of no return
+        print(interrupt.message(), file=sys.stderr, flush=True)
+        return interrupt.exit_code()
     if args.verbose:
         from uptrain.convert.plan import format_timing
 
@@ -215,14 +213,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases) -> Any:
     """Plan (imports first), print the plan, then write both streams; None for a dry run."""
+    interrupt.pause("import")
     with phases("import"):
-        from uptrain.convert.layers.calibrate import Calibration
         from uptrain.convert.pipeline import prepare, write_converted
         from uptrain.convert.plan import format_plan
         from uptrain.threads import announce_threads, start_threads
     start_threads(args.threads)  # torch is imported now; calibration and building run with these
-    calibration = (Calibration(args.calib, args.calib_tokens, args.device, args.calib_text_unit)
-                   if args.calib else None)
+    calibration = conversion_options(args).calibration()  # None where the conversion reads no text
     source, plan, outputs, new_config = prepare(**_prepare_args(args, calibration))
     if not args.dry_run:
         check_output_path(args.out, source.path, args.force)  # refuse before the plan is printed
@@ -235,4 +232,4 @@ def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from uptrain import interrupt
 from uptrain.convert.layers.calibrate import Calibration
 from uptrain.convert.layers.layerwise import describe_layerwise, fit_refusal, layerwise_settings
 from uptrain.convert.layers.refine_layer import LayerRefiner, RefineSettings, check_refine
@@ -31,33 +32,14 @@ from uptrain.errors import UsageError
 from uptrain.convert.io.hfconfig import attention_dims, load_hf_config, source_family, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
-from uptrain.convert.math.heads import divisors
+from uptrain.convert.progress import layer_progress
+from uptrain.convert.io.early import check_kv_heads  # noqa: F401 (also imported from here by the sweep and the demo)
 from uptrain.convert.io.output_dir import atomic_output_dir, check_output_path, sync_tree
 from uptrain.convert.io.shards import ShardWriter, finish_shards
 from uptrain.units import parse_size
 from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
 
 RECORD_FILE = "uptrain_conversion.json"
-
-
-def check_kv_heads(kv_heads: int, heads: int, kv: int, mqa_only: bool, model_type: str,
-                   allow_expand: bool = False) -> None:
-    """UsageError naming the valid counts unless `kv_heads` can be made from `kv` K/V heads
-    (`heads` query heads; `mqa_only` families only 1; `allow_expand` also multiples of `kv`)."""
-    valid = [1, kv] if mqa_only else divisors(kv)
-    if allow_expand and not mqa_only:
-        valid = sorted(set(valid) | {k for k in divisors(heads) if k % kv == 0})
-    if kv_heads in valid:
-        return
-    if kv_heads <= 0:
-        problem = f"--kv-heads must be positive, got {kv_heads}"
-    elif kv_heads > kv:
-        problem = f"the checkpoint has {kv} K/V heads ({heads} query heads); pooling cannot make {kv_heads}"
-    elif mqa_only:
-        problem = f"{model_type} can only be multi-query (one K/V head)"
-    else:
-        problem = f"{kv_heads} does not divide the {kv} K/V heads"
-    raise UsageError(f"{problem}; valid --kv-heads: {', '.join(map(str, valid))}")
 
 
 def _open_source(checkpoint: str, revision: str | None, headers_only: bool):
@@ -82,7 +64,8 @@ def _open_source(checkpoint: str, revision: str | None, headers_only: bool):
 def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
             grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
-            refine: RefineSettings | None = None, user: int = 0
+            refine: RefineSettings | None = None, user: int = 0, allow_same: bool = True,
+            progress: Callable[[str], None] | None = None
             ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
 
@@ -99,12 +82,18 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
 
     allow_expand: also accept more K/V heads than the source has (each head repeated in place,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
+    allow_same: accept the source's own K/V count (the CLI refuses it: nothing to convert).
+    progress: where the layer-at-a-time path (calibration, fit, refinement) writes a line per
+    layer converted, with the layers done and the time left (`progress.layer_progress`); the
+    refinement's per-layer line then goes there instead of to `refine.log`.
     """
     start = time.perf_counter()
+    interrupt.pause("plan")
     source, family, header_note = _open_source(checkpoint, revision, headers_only)
     cfg = load_hf_config(source.config)
     dims = attention_dims(cfg, family)
-    check_kv_heads(kv_heads, dims.heads, dims.kv_heads, family.mqa_only, source.config["model_type"], allow_expand)
+    check_kv_heads(kv_heads, dims.heads, dims.kv_heads, family.mqa_only, source.config["model_type"], allow_expand,
+                   allow_same)
     full_config = cfg.to_dict() | source.config
     start_method, start_note = method, None
     if refine is not None:
@@ -123,6 +112,8 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     if refine is not None:
         refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
         layerwise.refiner = refiner
+    if progress is not None and layerwise is not None:
+        layerwise.on_layer = layer_progress(dims.layers, progress)
     change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
                         seed, layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)
@@ -199,6 +190,8 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
             for output in built:
                 if cancel.is_set():
                     return writer
+                interrupt.pause("write")
+                interrupt.check()
                 if copied_as_bytes(output):
                     info = output.sources[0]
                     with phases("write built"), open(info.file, "rb") as f:

@@ -3,8 +3,9 @@
 The calibration statistics and the original model's activations do not depend on the K/V count,
 nor do the source tensors: converting to N counts one after another would read the checkpoint N
 times and run the calibration stream N times. Here each count is an ordinary conversion
-(`pipeline.prepare` + `pipeline.write_tensors` into its own all-or-nothing folder), each in its own
-thread, and the N conversions share
+(`pipeline.prepare` + `pipeline.write_tensors`), each in its own thread, into a hidden folder beside
+its output; the folders take their places together once every count is complete (all or none).
+The N conversions share
 
 - one calibration stream (`Calibration(users=N)`): each layer runs once; a layer is freed once
   every count has moved past it, so the counts advance layer by layer together and memory stays
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from uptrain.convert.io.output_dir import atomic_output_dir, check_output_path
+from uptrain.convert.io.output_dir import atomic_output_dirs, check_output_path
 from uptrain.convert.io.passthrough import Phases
 from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.calibrate import Calibration
@@ -104,13 +105,17 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
                    dtype: torch.dtype | None = None, max_shard_size: str = "5GB", force: bool = False,
                    grouping: str = "contiguous", calibration: Calibration | None = None,
                    refine: RefineSettings | None = None,
-                   on_planned: Callable[[dict[int, ConversionPlan]], None] | None = None) -> dict[int, ConversionPlan]:
+                   on_planned: Callable[[dict[int, ConversionPlan]], None] | None = None,
+                   extra_files: dict[str, str] | None = None) -> dict[int, ConversionPlan]:
     """Convert `checkpoint` to each K/V count `n` into `outs[n]` (as `convert` would, one folder
     each), with one calibration pass and one read of each source tensor for all of them.
 
-    A failure in any count stops them all; each folder is all or nothing, so none is left half
-    written. on_planned: called with every count's plan once all are planned, before any tensor
-    is read (the sweep prints its estimate). Returns each count's plan (its record: `plan.record()`).
+    All or nothing across the counts (`atomic_output_dirs`): each count is written into a hidden
+    folder beside its output, and only when every count is complete do they all take their place;
+    a failure in any count (or in putting one in place) stops them all and leaves every output as
+    it was. on_planned: called with every count's plan once all are planned, before any tensor is
+    read (the sweep prints its estimate). extra_files: name -> text written into every folder
+    (the sweep's ownership mark). Returns each count's plan (its record: `plan.record()`).
     """
     _check(outs, calibration)  # --refine without --calib: prepare's one-line error, as for one count
     max_shard = parse_size(max_shard_size)
@@ -125,7 +130,7 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
     shared: list[SharedReads] = []
     lock = threading.Lock()
 
-    def one(user: int, count: int) -> None:
+    def one(user: int, count: int, tmp: Path) -> None:
         try:
             source, plan, outputs, new_config = prepare(checkpoint, count, method, seed, None, dtype, False,
                                                         grouping, calibration, refine=_labelled(refine, count),
@@ -140,8 +145,9 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
             shared[0].expect(built_reads(job))
             ready.wait()
             phases = Phases()
-            with atomic_output_dir(outs[count]) as tmp:
-                finish_folder(tmp, job, write_tensors(tmp, job, max_shard, phases), phases)
+            finish_folder(tmp, job, write_tensors(tmp, job, max_shard, phases), phases)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
         except BaseException as err:  # noqa: BLE001 (raised below, after every thread has stopped)
             errors.append(err)
             ready.abort()
@@ -151,8 +157,18 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
         if calibration is not None:
             calibration.leave(user)
 
-    torch_threads = torch.get_num_threads()  # each conversion sets and restores it process-wide
-    threads = [threading.Thread(target=one, args=(u, n), name=f"convert-kv{n}") for u, n in enumerate(counts)]
+    with atomic_output_dirs([outs[n] for n in counts], replace=force) as tmps:
+        _run_threads([threading.Thread(target=one, args=(u, n, tmps[u]), name=f"convert-kv{n}")
+                      for u, n in enumerate(counts)])
+        if errors:  # the first cause: a one-line usage error where there is one, not a broken barrier
+            raise next((e for e in errors if isinstance(e, UsageError)),
+                       next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]))
+    return {n: planned[n].plan for n in counts}
+
+
+def _run_threads(threads: list[threading.Thread]) -> None:
+    """Start and join `threads`, torch's thread count as it was after (each conversion sets it)."""
+    torch_threads = torch.get_num_threads()
     try:
         for t in threads:
             t.start()
@@ -160,7 +176,3 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
             t.join()
     finally:
         torch.set_num_threads(torch_threads)
-    if errors:  # the first cause: a one-line usage error where there is one, not a broken barrier
-        raise next((e for e in errors if isinstance(e, UsageError)),
-                   next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]))
-    return {n: planned[n].plan for n in counts}

@@ -11,17 +11,31 @@ stopped at once by a second Ctrl-C (the last complete checkpoint is kept).
 
 from __future__ import annotations
 
+import os
+import sys
+
+# First act of `python -m uptrain.train` and of the `uptrain-train` command (which imports this
+# module, then calls main), before the imports below (seconds: torch & co.): a stop meanwhile is kept.
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "uptrain-train":
+    from uptrain import stopsignals as _early
+
+    _early.install("imports")
+
 import dataclasses
 import json
-import os
 import shlex
-import sys
 import typing
 from pathlib import Path
 
+from uptrain import stopsignals
 from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
 from uptrain.train.config import TrainConfig, load_config
+from uptrain.train.run_files import PREEMPTED_FILE, complete_checkpoints
+
+EXIT_PREEMPTED = 75  # = preempt.EXIT_PREEMPTED (that module imports torch: not yet loaded when a stop comes)
+EXIT_INTERRUPTED = 130  # = preempt.EXIT_INTERRUPTED
+KEYS_DOC = "docs/uptrain.md (## Config keys)"  # where --help sends the user for every config key
 
 
 @exit_on_usage_error
@@ -32,42 +46,58 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgParser(
         prog=prog_name("uptrain.train"), description=__doc__.split("\n\n")[0],
         epilog=f"config sections: {', '.join(sections)}; top-level keys: {', '.join(top)}. Every key and its meaning: the "
-               "trainer's key table in README.md (## Uptrain) and uptrain/train/config.py.")
+               f"trainer's key table in {KEYS_DOC} and uptrain/train/config.py.")
     parser.add_argument("config", help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, dotted for nested fields (optim.lr=1e-3)")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    resume = resume_command(args.config, args.overrides)
-    # after --help: torch & co. take seconds
-    from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StoppedInSetup
-    from uptrain.train.run_state import complete_checkpoints
+    return _run(config, resume_command(args.config, args.overrides))
 
+
+def _run(config: TrainConfig, resume: str) -> int:
+    """Train `config`; the exit code, with one line and preempted.json when a stop signal ended it."""
     try:
-        from uptrain.train.loop import TrainingDiverged, train
+        # From here a stop can be acted on (run_dir is known): one that came during the imports
+        # stops now, later ones at once, until the trainer's own handling takes over in train().
+        stopsignals.raise_now()
+        from uptrain.train.loop import train  # torch & co.: seconds
 
         train(config)
-    except TrainingDiverged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except Preempted as stop:
-        kept = f"checkpoint {stop.checkpoint} kept" if stop.checkpoint else "no checkpoint yet (resume starts over)"
-        _say(f"{stop}: {kept}; continue with: {resume}")
-        write_preempted_mark(Path(config.run_dir), {"signal": stop.signal_name, "step": stop.step,
-                                                    "checkpoint": str(stop.checkpoint) if stop.checkpoint else None})
-        return EXIT_PREEMPTED
-    except StoppedInSetup as stop:  # before the first step: nothing new to checkpoint
+    except stopsignals.Stopped as stop:  # before the first step (StoppedInSetup): nothing new to checkpoint
         done = complete_checkpoints(Path(config.run_dir))
         kept = f"last complete checkpoint {done[-1]} kept" if done else "no checkpoint yet"
-        _say(f"{stop}: {kept}; continue with: {resume}")
+        _say(f"stopped by {stop.signal_name} during set-up ({stop.phase}), before the first step: {kept}; "
+             f"continue with: {resume}")
         write_preempted_mark(Path(config.run_dir), {"signal": stop.signal_name, "phase": stop.phase,
                                                     "checkpoint": str(done[-1]) if done else None})
         return EXIT_PREEMPTED
-    except KeyboardInterrupt:  # a second Ctrl-C (or one before training started): no new checkpoint
+    except KeyboardInterrupt:  # a second Ctrl-C: no new checkpoint
         done = complete_checkpoints(Path(config.run_dir))
         kept = f"last complete checkpoint {done[-1]} kept" if done else "no checkpoint yet (resume starts over)"
         _say(f"interrupted: {kept}; continue with: {resume}")
         return EXIT_INTERRUPTED
+    except Exception as err:
+        return _after_training(err, config, resume)
+    finally:
+        stopsignals.ignore()  # (the `uptrain-train` / `python -m` process only) its exit code is decided
     return 0
+
+
+def _after_training(err: Exception, config: TrainConfig, resume: str) -> int:
+    """The exit code of a run that ended in `err`: diverged (1) or stopped after a step (75); else re-raised."""
+    from uptrain.train.loop import TrainingDiverged
+    from uptrain.train.preempt import Preempted
+
+    if isinstance(err, TrainingDiverged):
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if isinstance(err, Preempted):
+        kept = f"checkpoint {err.checkpoint} kept" if err.checkpoint else "no checkpoint yet (resume starts over)"
+        _say(f"{err}: {kept}; continue with: {resume}")
+        write_preempted_mark(Path(config.run_dir), {"signal": err.signal_name, "step": err.step,
+                                                    "checkpoint": str(err.checkpoint) if err.checkpoint else None})
+        return EXIT_PREEMPTED
+    raise err
 
 
 def resume_command(config: str, overrides: list[str]) -> str:
@@ -82,8 +112,6 @@ def write_preempted_mark(run_dir: Path, record: dict) -> None:
     """run_dir/preempted.json (first process only): the run stopped on a signal and wants to be
     continued (a launcher's own exit code hides the workers' 75: scripts/slurm/uptrain.sbatch reads
     this file to requeue). Written atomically; a launch script removes it before each start."""
-    from uptrain.train.run_state import PREEMPTED_FILE
-
     if os.environ.get("RANK", "0") != "0":
         return
     run_dir.mkdir(parents=True, exist_ok=True)  # a stop during a fresh run's set-up comes before the folder

@@ -213,8 +213,12 @@ class TrainConfig:
         b = self.budget
         if (b.tokens is None) == (b.fraction is None):
             raise UsageError("budget: give either budget.tokens or budget.fraction (with budget.pretrain_tokens)")
-        if b.fraction is not None and (b.pretrain_tokens is None or not 0 < b.fraction <= 1):
-            raise UsageError("budget.fraction must be in (0, 1] and needs budget.pretrain_tokens")
+        if b.fraction is not None and b.pretrain_tokens is None:  # e.g. configs/template.yaml not filled in
+            raise UsageError(f"budget.pretrain_tokens is not set: the budget is budget.fraction ({b.fraction:g}) of the "
+                             "tokens the model was pre-trained on (its model card); set budget.pretrain_tokens=N, or "
+                             "budget.tokens=N with budget.fraction=null")
+        if b.fraction is not None and not 0 < b.fraction <= 1:
+            raise UsageError("budget.fraction must be in (0, 1]")
         if b.total_tokens() <= 0:
             raise UsageError("budget must be a positive number of tokens")
         staged = sum(stage.tokens for stage in self.trainable_stages)

@@ -61,6 +61,7 @@ def train(config: TrainConfig) -> dict:
             first = run.validate()
             run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
             run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
+        stop.phase_done()  # (a test hook: a stop here, after the load and the evaluation, is still in set-up)
         stop.setup_done()
         try:
             last_record = train_steps(run, start_step, batches, stop)

@@ -4,7 +4,9 @@ Before the first step (set-up: model and teacher loads, tokenization, teacher-sa
 the checkpoint's load) there is nothing to checkpoint: a stop signal then raises StoppedInSetup
 from the handler itself, so the process ends within moments wherever set-up is (a scheduler's
 grace is seconds to minutes; set-up can take hours). What set-up writes is written atomically
-(teacher samples chunk by chunk), so a restart continues it.
+(teacher samples chunk by chunk), so a restart continues it. Earlier still, while
+`python -m uptrain.train` imports torch & co., the early handlers of uptrain.stopsignals (installed
+as its first instruction) keep a stop: `StopRequest.installed` takes it over (the phase "imports").
 
 The grace: a scheduler kills a job some time after its stop signal (Slurm's --signal lead time,
 Kubernetes' terminationGracePeriodSeconds, torchrun's shutdown timeout after it forwards the
@@ -32,7 +34,9 @@ Test hooks (environment; our own code sending itself real signals at a chosen po
       mark), after sleeping DELAY_S (a slow write); SIGNAME "none": only the sleep; "until-stop":
       the sleep ends early once a stop signal has reached this process (a write that lasts until
       a scheduler's signal, however late that comes within DELAY_S)
-  UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME"   signal itself as set-up enters PHASE
+  UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME[:end]"   signal itself as set-up enters PHASE, or
+      with ":end" once the phase's work is done (called where the work ends: `StopRequest.phase_done`,
+      after the checkpoint load and after the step-0 evaluation), still before the first step
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ import time
 
 import torch
 
+from uptrain import stopsignals
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; resume=latest continues
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once by a second Ctrl-C; the last complete checkpoint is kept
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
+STOP_SIGNALS = stopsignals.STOP_SIGNALS
 SAME_PRESS_S = 1.0
 _STOP_SEEN = threading.Event()  # a stop signal reached this process (read only by the checkpoint test hook)
 
@@ -60,15 +66,16 @@ class Preempted(Exception):
         self.signal_name, self.step, self.steps, self.checkpoint = signal_name, step, steps, checkpoint
 
 
-class StoppedInSetup(BaseException):
+class StoppedInSetup(stopsignals.Stopped):
     """A stop signal before the first step (nothing to checkpoint yet), raised by the handler.
 
     A BaseException, like KeyboardInterrupt: library code that catches Exception (a loader trying a
-    fallback) must not swallow it."""
+    fallback) must not swallow it. The CLI catches its base class, stopsignals.Stopped: the early
+    handlers (uptrain.stopsignals, installed first thing by `python -m uptrain.train`) raise that one
+    during the imports."""
 
     def __init__(self, signal_name: str, phase: str):
-        super().__init__(f"stopped by {signal_name} during set-up ({phase}), before the first step")
-        self.signal_name, self.phase = signal_name, phase
+        super().__init__(signal_name, phase, f"stopped by {signal_name} during set-up ({phase}), before the first step")
 
 
 class StopRequest:
@@ -95,20 +102,29 @@ class StopRequest:
         if self._in_setup:
             raise StoppedInSetup(signal_name(self.signum), self.phase)
 
+    def _take_early_stop(self) -> None:
+        signum, received_at, phase = stopsignals.take()
+        if signum:  # before this handler existed: the imports (or whatever the entry point named)
+            self.signum, self.received_at, self.phase = signum, received_at, phase or self.phase
+            _STOP_SEEN.set()
+            raise StoppedInSetup(signal_name(signum), self.phase)
+
     def enter(self, phase: str) -> None:
         """Set-up starts `phase` (a stop signal from here on names it)."""
         self.phase = phase
         _test_signal_in_setup(phase)
 
+    def phase_done(self) -> None:
+        """The current phase's work is done (the test hook's ":end" point; still set-up)."""
+        _test_signal_in_setup(self.phase, "end")
+
     def setup_done(self) -> None:
         """The first step starts: from now on a signal only sets the flag (checkpoint after the step)."""
         self._in_setup = False
 
-    def seconds_left(self, grace_s: float | None) -> float | None:
-        """Seconds left of the grace since the first stop signal (None: no known deadline)."""
-        if grace_s is None or self.received_at is None:
-            return None
-        return grace_s - (time.monotonic() - self.received_at)
+    def since_signal(self) -> float | None:
+        """Seconds since the first stop signal reached this process (None: none yet)."""
+        return None if self.received_at is None else time.monotonic() - self.received_at
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a host all-reduce; every rank must call)."""
@@ -120,12 +136,16 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self):
-        """Handle the stop signals inside the block; the previous handlers come back after it."""
+        """Handle the stop signals inside the block; the previous handlers come back after it.
+
+        A stop that the early handlers (uptrain.stopsignals) recorded before is taken over: it is a
+        stop during set-up, raised here, in the phase they were in (the grace counts from it)."""
         if threading.current_thread() is not threading.main_thread():  # only the main thread may
             yield self
             return
         previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         try:
+            self._take_early_stop()
             yield self
         finally:
             for sig, handler in previous.items():
@@ -150,6 +170,22 @@ class StopRequest:
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def seconds_left(grace_s: float | None, since_signal_s: float | None) -> float | None:
+    """What is left of the grace `since_signal_s` after the stop signal (None: no known deadline)."""
+    if grace_s is None or since_signal_s is None:
+        return None
+    return grace_s - since_signal_s
+
+
+def checkpoint_overruns(write_s: float | None, grace_s: float | None, since_signal_s: float | None) -> bool:
+    """Whether a checkpoint written as slowly as the last one (`write_s`) would still be running when
+    the grace ends: longer than what is left of it `since_signal_s` after the stop signal (not the
+    whole grace: the step that was running when the signal came has used some). False when either
+    time is unknown: without a measure or a deadline the checkpoint is tried."""
+    left = seconds_left(grace_s, since_signal_s)
+    return left is not None and write_s is not None and write_s > left
 
 
 def stop_grace(configured: float | None, env) -> tuple[float | None, str, str | None]:
@@ -192,13 +228,14 @@ def _test_signal_at(step: int, rank: int) -> None:
             os.kill(os.getpid(), getattr(signal, name))
 
 
-def _test_signal_in_setup(phase: str) -> None:
-    """Test hook: UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME" signals this process as set-up enters PHASE
-    (the phase's first word: models, data, teacher-samples, checkpoint)."""
+def _test_signal_in_setup(phase: str, where: str = "start") -> None:
+    """Test hook: UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME[:end]" signals this process as set-up enters
+    PHASE (the phase's first word: checks, teacher-samples, data, models, checkpoint, step-0), or with
+    ":end" as its work ends."""
     hook = os.environ.get("UPTRAIN_TEST_SIGNAL_IN_SETUP")
     if hook:
-        at, name = _parse(hook)
-        if phase.split()[0] == at:
+        at, name, *when = _parse(hook)
+        if phase.split()[0] == at and (when or ["start"])[0] == where:
             os.kill(os.getpid(), getattr(signal, name))
 
 

@@ -29,19 +29,11 @@ from uptrain.convert.io.output_dir import fsync_path
 from uptrain.errors import UsageError
 from uptrain.train.identity import config_identity, describe_changes, identity_changes
 from uptrain.train.preempt import signal_in_checkpoint_hook
+from uptrain.train.run_files import (  # noqa: F401 (public here too)
+    FINISHED_FILE, PREEMPTED_FILE, RUN_FILE, STATE_FILE, complete_checkpoints,
+)
 
-STATE_FILE = "trainer_state.json"
-RUN_FILE = "run.yaml"
-FINISHED_FILE = "finished.json"  # written last by a run that completed its budget
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE, "held_out.jsonl")
-PREEMPTED_FILE = "preempted.json"  # the last stop's record for launch scripts (uptrain.train.__main__)
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Finished checkpoints of a run, oldest first."""
-    folder = run_dir / "checkpoints"
-    found = [p for p in folder.glob("checkpoint-*") if (p / STATE_FILE).is_file()] if folder.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
 def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrite: bool) -> Path | None:

@@ -29,7 +29,7 @@ from uptrain.train.config import TrainConfig
 from uptrain.train.eta import EtaTracker, format_eta
 from uptrain.train.health import StepHealth, check_finite
 from uptrain.train.losses import kd_loss_sum, lm_loss_sum
-from uptrain.train.preempt import Preempted, StopRequest, signal_name
+from uptrain.train.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left, signal_name
 from uptrain.train.run_state import complete_checkpoints, save_checkpoint
 from uptrain.train.setup import lr_at
 from uptrain.train.trainable import set_trainable, trainable_at
@@ -278,8 +278,9 @@ def _stop_checkpoint(run: Run, done: int, stop: StopRequest) -> Path | None:
     A write that the scheduler would kill half-way saves nothing and loses the clean exit 75 (the
     requeue): when the last write took longer than what is left of the grace on any rank, nothing
     is started and the last complete checkpoint is named instead (resume=latest continues from it)."""
-    left = stop.seconds_left(run.grace_s)
-    too_slow = left is not None and run.checkpoint_s is not None and run.checkpoint_s > left
+    since = stop.since_signal()
+    left = seconds_left(run.grace_s, since)
+    too_slow = checkpoint_overruns(run.checkpoint_s, run.grace_s, since)
     if not stop.any_rank(too_slow):  # the same decision on every rank: the save is a collective
         return _save(run, done)
     done_before = complete_checkpoints(run.run_dir)

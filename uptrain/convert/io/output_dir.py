@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from uptrain import interrupt
 from uptrain.errors import UsageError
 
 
@@ -177,12 +178,23 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = _sibling(out, "partial", tag)
     tmp.mkdir()
+    interrupt.register(tmp)
     try:
         yield tmp
         sync_tree(tmp)
+        interrupt.pause("rename")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        interrupt.unregister(tmp)
         raise
+    with interrupt.shielded():  # the point of no return: a signal now is reported after it (`interrupt`)
+        _put_in_place(out, tmp, tag)
+        interrupt.unregister(tmp)
+        interrupt.written(out)
+
+
+def _put_in_place(out: Path, tmp: Path, tag: str) -> None:
+    """Make the complete folder `tmp` the output `out` (see `atomic_output_dir`)."""
     if not out.exists() and not out.is_symlink():
         tmp.rename(out)
         fsync_path(out.parent)
@@ -203,3 +215,72 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
         raise
     fsync_path(out.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_output_dirs(outs: list[Path], replace: bool = False) -> Iterator[list[Path]]:
+    """`atomic_output_dir` for several folders at once: all of them take their place, or none does.
+
+    Yields a temporary folder beside each output (in the order of `outs`). Only once the block has
+    completed for all of them are they swapped into place, one after another; if a swap fails (an
+    output path blocked meanwhile, a full disk) the swaps already made are undone, so every output
+    is as it was. On any error in the block every temporary folder is removed. (A SIGKILL between
+    two swaps leaves some outputs new and some old, each whole: the same per-folder guarantee as
+    `atomic_output_dir`.) replace: an output folder that exists may be replaced (--force); a
+    file, or a folder without `replace`, at an output path when the swaps start fails them all.
+    """
+    resolved = [out.resolve() for out in outs]
+    tags = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}" for _ in resolved]
+    tmps = [_sibling(out, "partial", tag) for out, tag in zip(resolved, tags)]
+    try:
+        for out, tmp in zip(resolved, tmps):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            recover_output(out)
+            tmp.mkdir()
+            interrupt.register(tmp)  # a signal that ends the process removes it
+        yield tmps
+        for tmp in tmps:
+            sync_tree(tmp)
+        with interrupt.shielded():  # the swaps: all or none, a signal reported after them
+            for tmp in tmps:
+                interrupt.unregister(tmp)
+            _swap_all(resolved, tmps, replace)
+    finally:
+        for tmp in tmps:  # after a swap a temporary folder holds the old output; else it is unfinished
+            interrupt.unregister(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_all(outs: list[Path], tmps: list[Path], replace: bool) -> None:
+    """Put each `tmps[i]` in place of `outs[i]`, leaving the old output (if any) at `tmps[i]`; on a
+    failure undo the swaps made, newest first, and raise."""
+    done: list[tuple[Path, Path, bool]] = []  # (out, tmp, whether out existed before)
+    try:
+        for out, tmp in zip(outs, tmps):
+            existed = out.exists() or out.is_symlink()
+            if existed and (out.is_symlink() or not out.is_dir()):
+                raise UsageError(f"output {out} is a file (it appeared during the conversion); nothing was "
+                                 f"written: move it away and run again")
+            if existed and not replace:
+                raise UsageError(f"output {out} appeared during the conversion; nothing was written: move it "
+                                 f"away or pass --force, and run again")
+            if not existed:
+                tmp.rename(out)
+            elif not exchange_paths(tmp, out):  # no atomic exchange here: two renames
+                aside = _sibling(out, "old", tmp.name.rsplit("partial-", 1)[-1])
+                out.rename(aside)
+                tmp.rename(out)
+                aside.rename(tmp)
+            done.append((out, tmp, existed))
+            fsync_path(out.parent)
+    except BaseException:
+        for out, tmp, existed in reversed(done):
+            if not existed:
+                out.rename(tmp)
+            elif not exchange_paths(tmp, out):
+                new = _sibling(out, "partial", uuid.uuid4().hex[:8] + "-undo")
+                out.rename(new)
+                tmp.rename(out)
+                new.rename(tmp)
+            fsync_path(out.parent)
+        raise

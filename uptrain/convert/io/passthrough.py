@@ -14,12 +14,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from uptrain import interrupt  # standard library only
 from uptrain.convert.registry.architectures import FAMILIES  # plain data, no torch
 
 T = TypeVar("T")
@@ -192,23 +193,35 @@ def copy_beside(tensors: list[StoredRange], writer: RangeWriter, phases: Phases,
     what the job returns.
 
     If the job fails, the copy stops at the next tensor and the job's error is raised. If this
-    thread fails (a full disk, Ctrl-C), `cancel` is set and the job, which checks it between
-    tensors, is waited for before the error goes on, so nothing writes into a removed folder.
+    thread fails (a full disk), `cancel` is set and the job, which checks it between tensors, is
+    waited for before the error goes on, so nothing writes into a removed folder. On Ctrl-C
+    (KeyboardInterrupt: the Python API) `interrupt.CANCEL` is set too, so the job also stops
+    inside a layer, at its next `interrupt.check()` (refinement step, calibration sequence).
     """
     cancel = threading.Event()
-    with ThreadPoolExecutor(1, thread_name_prefix="uptrain-build") as pool:
-        future = pool.submit(job, cancel)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="uptrain-build")
+    future = pool.submit(job, cancel)
 
-        def copy(run: list[StoredRange], fd: int) -> None:
-            with phases("copy"):
-                writer.copy_run(run, fd, run[0].offset)
+    def copy(run: list[StoredRange], fd: int) -> None:
+        interrupt.pause("copy")
+        with phases("copy"):
+            writer.copy_run(run, fd, run[0].offset)
+    try:
+        if copy_tensors(tensors, copy, lambda: future.done() and future.exception() is not None):
+            writer.close()
+        with phases("wait for build"):
+            return future.result()
+    except BaseException as err:
+        cancel.set()
+        stopping = isinstance(err, KeyboardInterrupt)
+        if stopping:  # the API's Ctrl-C (the CLI's ends the process in `interrupt`): stop the job's layer now
+            interrupt.CANCEL.set()
         try:
-            if copy_tensors(tensors, copy, lambda: future.done() and future.exception() is not None):
-                writer.close()
-            with phases("wait for build"):
-                return future.result()
-        except BaseException:
-            cancel.set()
-            raise
+            wait([future])
         finally:
-            writer.release()
+            if stopping:
+                interrupt.CANCEL.clear()
+        raise
+    finally:
+        pool.shutdown(wait=False)
+        writer.release()

@@ -265,7 +265,8 @@ class ShardWriter:
     def release(self) -> None:
         """Close the open shard file, if any (after the last tensor, or after an error)."""
         if self._fd is not None:
-            self._behind.close()
+            if self._behind is not None:  # None: a Ctrl-C came between the shard's open and its helper
+                self._behind.close()
             os.close(self._fd)
             self._fd = None
             self._behind = None

@@ -20,6 +20,8 @@ from typing import Any, Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
+# missing_folder_hint: imported from here by uptrain.measure
+from uptrain.convert.io.early import missing_folder_hint, near_folder, not_a_hub_id  # noqa: F401
 from uptrain.convert.io.passthrough import SAFE_INDEX, StoredTensor, read_header
 from uptrain.errors import UsageError
 
@@ -122,7 +124,7 @@ def resolve_source(ckpt: str, revision: str | None = None, weights: bool = True)
         return local.resolve()
     if near := near_folder(ckpt):  # a typo of a local folder, not a Hub id
         raise UsageError(f"no folder {ckpt}; did you mean {near}?")
-    if ckpt.startswith((".", "/", "~")) or ckpt.count("/") > 1 or os.sep in ckpt.replace("/", ""):
+    if not_a_hub_id(ckpt):
         raise UsageError(f"checkpoint folder {ckpt} does not exist; check the path")
     from huggingface_hub import snapshot_download
 
@@ -133,48 +135,6 @@ def resolve_source(ckpt: str, revision: str | None = None, weights: bool = True)
         if not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(ckpt, revision=revision, allow_patterns=_HUB_PATTERNS + ["*.bin"]))
     return folder
-
-
-def near_folder(name: str) -> str | None:
-    """A folder beside where `name` points whose name is close to it (a likely typo), else None.
-
-    Only when `name` looks like a path: it starts with . / ~, holds a path separator, or its
-    parent folder exists (so `examples/stories260K-mha` with `examples/` here is a path, while
-    a Hub id `org/model` without an `org/` folder here is not). Shown as the user spelled the parent.
-    """
-    import difflib
-
-    path = Path(name).expanduser()
-    looks_like_path = name.startswith((".", "/", "~")) or os.sep in name or "/" in name
-    parent = path.parent
-    if not looks_like_path or not parent.is_dir() or path.exists():
-        return None
-    try:
-        siblings = {p.name: p for p in parent.iterdir() if p.is_dir()}
-    except OSError:
-        return None
-    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.8)
-    if not close:
-        lower = {n.lower(): n for n in siblings}
-        close = [lower[path.name.lower()]] if path.name.lower() in lower else []
-    return str(Path(name).parent / close[0]) if close else None
-
-
-def run_model_folder(name: str) -> str | None:
-    """`name`/model when `name` is a training run's folder (no config.json, its final model in
-    model/), else None."""
-    folder = Path(name).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
-        return str(Path(name) / "model")
-    return None
-
-
-def missing_folder_hint(name: str) -> str:
-    """'; did you mean X?' for a model folder that is absent (a near name) or a run folder, else ''."""
-    if run_model := run_model_folder(name):
-        return f"; did you mean {run_model} (a training run's final model)?"
-    near = near_folder(name)
-    return f"; did you mean {near}?" if near else ""
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from uptrain import interrupt
 from uptrain.convert.layers.layer import KEEP, Layer, LayerGone
 from uptrain.convert.layers.layer_stream import (PROJECTIONS, LayerStream, StreamUnsupported, activation_dtype,
                                                  available_memory)
@@ -107,6 +108,7 @@ def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> 
         for module, moments in sums.values():
             hooks.enter_context(summing_moments(module, moments))
         for seq in sequences:
+            interrupt.check()
             model(input_ids=torch.tensor([seq], device=device), use_cache=False)
     return {prefix: moments.mean() for prefix, (_, moments) in sums.items()}
 
@@ -227,7 +229,11 @@ class Calibration:
             if index in self._layers:
                 return self._layers[index]
             stream = self._stream
-            if stream is None or stream.position > index or stream.position >= len(stream.layers):
+            if stream is not None and index < stream.position:  # run, then freed: not a missing module
+                raise LayerGone(f"layer {index} ({layer.rstrip('.')}) is gone: the calibration stream had moved on "
+                                f"to layer {stream.position} when user {user} asked for it (a shared stream frees "
+                                f"a layer once every user has asked for a later one or left)")
+            if stream is None or stream.position >= len(stream.layers):
                 raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model")
             if self._can_advance():
                 self._advance()
@@ -313,6 +319,7 @@ class Calibration:
         """Tokenize, then open the layer stream (or, where it cannot stream, run the whole model)."""
         from transformers import AutoConfig
 
+        interrupt.pause("calibrate")
         start = time.perf_counter()
         self._started = True
         self.record["passes"] += 1

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from uptrain import interrupt
 from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.layer import Layer, LayerGone
 
@@ -207,6 +208,7 @@ class LayerStream:
         activations, kwargs = [], []
         try:
             for seq in sequences:
+                interrupt.check()
                 ids = torch.searchsorted(used, torch.tensor(seq, dtype=torch.int64))[None].to(self.device)
                 records.clear()
                 try:

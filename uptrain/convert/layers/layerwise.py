@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from uptrain.convert.registry.architectures import Family
-from uptrain.convert.registry.choices import GROUPINGS, Grouping
+from uptrain.convert.registry.choices import (CALIB_HAS_NO_EFFECT, GROUPINGS, SIMILAR_NOT_RANDOM, Grouping,
+                                             calibration_applies)
 from uptrain.convert.math.fit import fit_keys, fit_values, rotary_planes
 from uptrain.convert.math.grouping import group_permutation, head_similarity
 from uptrain.convert.math.heads import merge_qkv, repeat_heads, split_qkv
@@ -42,6 +43,8 @@ class Layerwise:
     permutations: dict[str, list[int]] = field(default_factory=dict)  # filled as layers are converted
     # --refine: (layer prefix, closed-form start) -> refined tensors (`refine_layer.LayerRefiner`)
     refiner: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    # a line per layer converted (`progress.layer_progress`); with a refiner, the refiner's line
+    on_layer: Callable[[str], None] | None = None
 
 
 def _partial_rotary(config: dict[str, Any], head_dim: int) -> bool:
@@ -61,8 +64,7 @@ def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, metho
     key_norm = family.key_norm_in(config)
     if grouping == "similar":
         if method == "random":
-            raise UsageError("--grouping similar has no effect with --method random (K/V are re-initialised); "
-                             "use --grouping contiguous")
+            raise UsageError(SIMILAR_NOT_RANDOM)
         if family.kv_between_queries or key_norm in ("per_head", "whole"):
             raise UsageError(f"--grouping similar is not supported for {model_type!r} (key norms or a fused "
                              f"grouped layout tie heads to their place); use --grouping contiguous")
@@ -244,6 +246,9 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
                 norms.setdefault(layer, {})["norm:" + output.spec.name[len(layer):]] = output
     caches: dict[str, _LayerCache] = {}
     sources_of: dict[str, list] = {}
+    from uptrain.convert.layers.calibrate import layer_index
+
+    first_layer = min(layers, key=layer_index)
     for layer, parts in layers.items():
         keys = sorted(parts)
         if not {"o.weight"} <= set(keys) or not ({"q.weight", "k.weight", "v.weight"} <= set(keys)
@@ -255,11 +260,17 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
                                                          for j in range(len(o.sources))]
 
         def compute(ts, layer=layer, layer_norms=layer_norms):
+            if layer == first_layer and settings.on_layer is not None and hasattr(settings.on_layer, "begin"):
+                settings.on_layer.begin()  # the time left counts from the first layer, not from the start
             start = transform_layer({k: v for k, v in ts.items() if not k.startswith("norm:")}, d.heads, d.kv_heads,
                                     change.new_kv_heads, change.method, settings, layer, layout)
             for key, output in layer_norms.items():  # the planned pooling of the norm: the refinement's start
                 start[key] = output.make([ts[f"{key}#{j}"] for j in range(len(output.sources))]).to(output.spec.dtype)
-            return settings.refiner(layer, start) if settings.refiner is not None else start
+            done = settings.refiner(layer, start) if settings.refiner is not None else start
+            if settings.on_layer is not None:
+                settings.on_layer(getattr(settings.refiner, "last_line", "")
+                                  or f"layer {layer_index(layer)} converted ({change.method})")
+            return done
         caches[layer] = _LayerCache(compute, keys + norm_keys, set(keys) | set(layer_norms), layer)
     result = []
     started: set[str] = set()
@@ -317,10 +328,9 @@ def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_he
     """
     if grouping not in GROUPINGS:
         raise UsageError(f"--grouping must be one of {', '.join(GROUPINGS)}, not {grouping!r}")
-    if method != "fit" and grouping == "contiguous" and not refine:
+    if not calibration_applies(method, grouping, refine):  # the one rule (registry/choices.py)
         if calibration is not None:
-            raise UsageError("--calib has no effect with --method mean/first/random and --grouping contiguous; "
-                             "use it with --method fit or --grouping similar")
+            raise UsageError(CALIB_HAS_NO_EFFECT)
         return None
     check_layerwise(family, config, head_dim, method, grouping)
     if new_kv > kv_heads:

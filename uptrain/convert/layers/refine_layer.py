@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from uptrain.convert.math import refine
 from uptrain.convert.registry.architectures import Family
-from uptrain.convert.registry.choices import REFINE_INPUTS
+from uptrain.convert.registry.choices import REFINE_INPUTS, REFINE_NOT_RANDOM
 from uptrain.errors import UsageError
 
 
@@ -70,7 +70,7 @@ def check_refine(family: Family, config: dict[str, Any], method: str, calibrated
         raise UsageError("--refine needs --calib FILE (the text whose attention outputs the converted layers "
                          "are tuned to match)")
     if method == "random":
-        raise UsageError("--refine starts from a closed-form conversion; use --method fit or mean, not random")
+        raise UsageError(REFINE_NOT_RANDOM)
     if family.qkv_layout is not None and family.qkv_layout[0] == "grouped":
         raise UsageError(f"--refine is not supported for {model_type!r} (its fused grouped query_key_value "
                          f"layout has no layer-at-a-time conversion); convert without --refine")
@@ -202,6 +202,7 @@ class LayerRefiner:
     user: int = 0  # which of the calibration's users this conversion is (a sweep's K/V count)
     # `--refine-inputs converted`: this conversion's own model's activations entering the next layer
     _converted: list[Tensor] | None = field(default=None, repr=False)
+    last_line: str = ""  # the line of the layer refined last (what `settings.log` is given)
 
     def plan(self, dims, hidden: int, new_kv: int) -> dict[str, Any]:
         """The plan's `refinement` before any layer: `estimate`, what will be held out (the calibration
@@ -274,6 +275,7 @@ class LayerRefiner:
     def _log(self, index: int, result, began: float) -> None:
         row = {"layer": index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
         self.record.setdefault("layers", []).append(row)
+        self.last_line = (f"refine layer {index}: held-out error {result.error_before:.4f} -> "
+                          f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)")
         if self.settings.log:
-            self.settings.log(f"refine layer {index}: held-out error {result.error_before:.4f} -> "
-                              f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)")
+            self.settings.log(self.last_line)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from uptrain import interrupt
 from uptrain.convert.math.capture import Captured, recording
 from uptrain.convert.registry.choices import REFINE_INPUTS
 
@@ -188,6 +189,8 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
         opt = torch.optim.Adam(_param_groups(student, lr))
         queue: list[int] = []
         for step in range(1, steps + 1):
+            interrupt.pause("refine")
+            interrupt.check()  # Ctrl-C: stop within a step, not at the end of the layer
             if len(queue) < batch:  # epochs over the training sequences, each in a fresh order
                 queue += [train[j] for j in torch.randperm(len(train), generator=gen).tolist()]
             idx, queue = queue[:batch], queue[batch:]
