@@ -153,9 +153,10 @@ def test_a_stop_at_any_moment_of_start_up_exits_75_naming_where_it_came(tmp_path
     for i, (fraction, signame) in enumerate(MOMENTS):
         where = _stop_at(tmp_path / f"run-{i}", fraction * first_step, signame, again=fraction in AGAIN)
         seen.append((fraction, signame, where))
+    # Where each moment lands depends on this machine's speed at the time (a clean-clone run saw
+    # imports up to 0.5 and a step from 0.7): not asserted; every stop above was checked, wherever it
+    # came. Each set-up phase by name: tests/train/test_setup_stop.py (its hook signals inside it).
     print(f"first step after {first_step:.1f} s; moments (fraction of it, signal, where the stop came): {seen}")
-    # the moments cover set-up past the imports too (each stop in whatever phase it found)
-    assert any(where in SETUP_PHASES[1:] for _, _, where in seen), seen
 
 
 def test_the_uptrain_train_command_keeps_a_stop_from_its_first_instruction_too(tmp_path):
