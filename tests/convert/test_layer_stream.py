@@ -193,31 +193,11 @@ def test_users_of_one_stream_each_get_every_layer_and_the_stream_runs_once(one_t
     """A sweep's K/V counts read one stream, each in its own thread: each user gets every layer's
     moments (equal to a one-user calibration's), the stream runs each layer once, and a layer is
     freed only when every user has moved past it (the slow user still finds its recordings)."""
-    import threading
-
     prefixes = [f"model.layers.{i}.self_attn." for i in range(5)]
     single = Calibration(TRAIN_TXT, 600).bind(EXAMPLE_MHA8)
     expected = [single.sigma(p) for p in prefixes]
     shared = Calibration(TRAIN_TXT, 600, keep="attention", users=3).bind(EXAMPLE_MHA8)
-    got: dict[int, list] = {u: [] for u in range(3)}
-    errors = []
-
-    def user(u: int) -> None:
-        try:
-            for p in prefixes:
-                got[u].append(shared.sigma(p, u))
-                if u == 2:  # the slowest: its layer must still hold what was recorded
-                    time.sleep(0.05)
-                    assert len(shared.layer(p, u).recorded().inputs) > 0
-            shared.leave(u)
-        except BaseException as err:  # noqa: BLE001 (reported below)
-            errors.append(err)
-            shared.leave(u, failed=repr(err))
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    got, errors = _run_users(shared, 3, prefixes, slow=2, delay=0.05)  # the slowest: the last
     assert not errors, errors
     assert shared.record["layers_run"] == 5 and shared.record["passes"] == 1
     for u in range(3):
@@ -233,28 +213,9 @@ def test_whichever_user_is_slow_finds_its_layer_still_there(users, slow, one_tor
     """Each user in turn is the slow one (not only the last, as above): the stream never frees a
     layer that user has not moved past, so its recordings are still there when it asks (a stream
     that ignored any one user would free its layer under it: LayerGone)."""
-    import threading
-
     prefixes = [f"model.layers.{i}.self_attn." for i in range(3)]
     shared = Calibration(TRAIN_TXT, 600, keep="attention", users=users).bind(EXAMPLE_MHA8)
-    errors = []
-
-    def user(u: int) -> None:
-        try:
-            for p in prefixes:
-                shared.sigma(p, u)
-                if u == slow:  # the others run ahead meanwhile, as far as the stream lets them
-                    time.sleep(0.1)
-                    assert len(shared.layer(p, u).recorded().inputs) > 0
-            shared.leave(u)
-        except BaseException as err:  # noqa: BLE001 (reported below)
-            errors.append(err)
-            shared.leave(u, failed=repr(err))
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _, errors = _run_users(shared, users, prefixes, slow, delay=0.1)
     assert not errors, errors
     assert shared.record["layers_run"] == len(prefixes) and shared.record["passes"] == 1
 
@@ -362,3 +323,31 @@ def test_peak_memory_is_one_layer_not_the_model(tmp_path):
     assert grown < bound, f"peak RSS grew {grown / 2**20:.0f} MiB, over {bound / 2**20:.0f} MiB"
     assert layers_run == LAYERS
     assert bound < model_bytes / 4
+
+
+def _run_users(shared, users: int, prefixes: list[str], slow: int, delay: float) -> tuple[dict, list]:
+    """Each user of `shared` in its own thread takes every layer's moments in turn; user `slow`
+    waits `delay` s at each layer (the others run ahead meanwhile, as far as the stream lets them)
+    and then asks for the layer's recordings, which must still be there. (moments per user, errors)."""
+    import threading
+
+    got: dict[int, list] = {u: [] for u in range(users)}
+    errors: list = []
+
+    def user(u: int) -> None:
+        try:
+            for p in prefixes:
+                got[u].append(shared.sigma(p, u))
+                if u == slow:
+                    time.sleep(delay)
+                    assert len(shared.layer(p, u).recorded().inputs) > 0
+            shared.leave(u)
+        except BaseException as err:  # noqa: BLE001 (reported by the caller)
+            errors.append(err)
+            shared.leave(u, failed=repr(err))
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return got, errors
