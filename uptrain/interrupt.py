@@ -68,15 +68,17 @@ def exit_code() -> int:
 
 def message() -> str:
     """The one line an interrupted run prints (the output as it was, or, once `written`, complete)."""
-    what = "stopped by SIGTERM" if _state["signal"] == signal.SIGTERM else "interrupted"
+    signum = _state["signal"] or signal.SIGINT
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
     program = _state.get("program", "uptrain.convert")
     if _state["written"] is not None:
         return f"{program}: {what} after {_state['written']} was put in place; it is the complete new folder"
     return f"{program}: {what}; {_state.get('as_it_was', 'the output folder is as it was')}"
 
 
-def written(out: Path) -> None:
-    """`out` is in place and complete: from now on an interrupt says so."""
+def written(out: Path | None) -> None:
+    """`out` is in place and complete: from now on an interrupt says so (None: a CLI that goes on
+    to other work, the demo after its conversion, says its own `as_it_was` again)."""
     _state["written"] = out
 
 
@@ -143,6 +145,22 @@ def finish(code: int) -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def end_after_training_stop(err: BaseException) -> None:
+    """`uptrain.train`'s `train()`, called inside a CLI that `install`ed these handlers (the demo, the
+    sweep's --uptrain-tokens), handles stop signals itself while it runs (its handlers replace
+    ours and come back after it) and ends in an exception: a stop during its set-up, a stop after
+    a step (its checkpoint written), a second Ctrl-C. Such a stop ends this CLI as any other stop
+    does: the folders being written removed, one line, exit 128 + the signal. Any other error is
+    left to the caller (this returns)."""
+    name = getattr(err, "signal_name", None)  # stopsignals.Stopped and train.preempt.Preempted carry it
+    if isinstance(err, KeyboardInterrupt) and name is None:
+        name = "SIGINT"
+    if not _state["installed"] or name not in signal.Signals.__members__:
+        return
+    _state["signal"] = signal.Signals[name]
+    _exit_now()
 
 
 def check() -> None:

@@ -35,11 +35,11 @@ of the sweep's paths that it did not write is refused, never replaced.
 
 from __future__ import annotations
 
+AS_IT_WAS = "every folder is whole (a count's folders appear all at once); sweep.json keeps the counts scored: rerun to continue"
 if __name__ == "__main__":  # first act: Ctrl-C / SIGTERM during the imports below end the run cleanly too
     from uptrain import interrupt
 
-    interrupt.install("uptrain.sweep", "every folder is whole (a count's folders appear all at once); sweep.json "
-                      "keeps the counts scored: rerun to continue")
+    interrupt.install("uptrain.sweep", AS_IT_WAS)
 
 import time
 from dataclasses import asdict, dataclass
@@ -152,6 +152,12 @@ def _check_args(args) -> ConversionOptions:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
+    """The sweep (`argv` None: this process's arguments, with `uptrain.interrupt`'s stop handling, also
+    for the console script; a list: as a function, for tests, the process's handlers left alone)."""
+    if argv is None:
+        from uptrain import interrupt
+
+        interrupt.install("uptrain.sweep", AS_IT_WAS)
     args = _parser().parse_args(argv)
     options = _check_args(args)
     sweep = SweepFolder(args.out)  # refuses a folder this version did not write
@@ -293,6 +299,7 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
     from uptrain import interrupt
 
     interrupt.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now
+    interrupt.written(None)  # the sweep goes on (scoring, uptraining): a later stop says the sweep's own line
     seconds = (time.monotonic() - began) / len(counts)  # the conversion's share of each count
     method = options.method + ("+refine" if refine else "")
     settings = {"conversion": conversion, "converted_with": counts}

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from uptrain import interrupt
 from uptrain.cli import positive_int
 from uptrain.errors import UsageError
 
@@ -240,7 +241,11 @@ def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: lis
           f"{run_dir} (training text {_shown(training_text(args))})", flush=True)
     began = time.monotonic()
     mark(run_dir)
-    train(config)
+    try:
+        train(config)
+    except BaseException as err:  # train() handles stop signals itself while it runs: its stop ends the sweep
+        interrupt.end_after_training_stop(err)
+        raise
     finished = json.loads((run_dir / "finished.json").read_text())
     (result,) = evaluate_paths([str(run_dir / "model")], texts, max_length, stride)
     point.loss_after_uptraining, point.perplexity_after_uptraining = result.loss, result.perplexity

@@ -256,7 +256,9 @@ def finish_run(run: Run, last_record: dict) -> dict:
     config, accelerator, plan = run.config, run.accelerator, run.plan
     final_eval = run.validate()
     run.log({"step": plan.steps, **final_eval})
-    accelerator.print(f"step {plan.steps}: val loss {final_eval['val_loss']:.4f}, ppl {final_eval['val_ppl']:.2f}")
+    against = (f"; against the teacher: KL {final_eval['val_kl_to_teacher']:.4f} nats/token, top-1 agreement "
+               f"{final_eval['val_top1_agreement']:.1%}" if "val_kl_to_teacher" in final_eval else "")
+    accelerator.print(f"step {plan.steps}: val loss {final_eval['val_loss']:.4f}, ppl {final_eval['val_ppl']:.2f}{against}")
     history = run.metrics.read()
     start_val = next((r["val_loss"] for r in history if r["step"] == 0 and "val_loss" in r), None)
     card = {
@@ -268,6 +270,8 @@ def finish_run(run: Run, last_record: dict) -> dict:
         or ("samples of the teacher" if config.data.train.teacher_samples else None),
         "val loss before / after": f"{start_val if start_val is None else round(start_val, 4)} / {final_eval['val_loss']:.4f}",
         "val perplexity after": round(final_eval["val_ppl"], 3), "mixed precision": accelerator.mixed_precision,
+        **({"val KL to the teacher / top-1 agreement after": f"{final_eval['val_kl_to_teacher']:.4f} nats / "
+            f"{final_eval['val_top1_agreement']:.1%}"} if "val_kl_to_teacher" in final_eval else {}),
     }
     save_final_model(accelerator, run.model, run.run_dir / "model", run.folders.model, card, dtype=run.save_dtype,
                      tokenizer_dir=run.folders.tokenizer, source_name=config.model)

@@ -73,10 +73,11 @@ class Run:
         self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def validate(self) -> dict:
-        """Validation loss and perplexity of the model now (all processes take part)."""
+        """Validation loss and perplexity of the model now (all processes take part); with a teacher,
+        also its KL to the teacher and their top-1 agreement (`validate_blocks`)."""
         c = self.config
         return validate_blocks(self.model, self.val_blocks, self.accelerator,
-                               c.eval.batch_size or c.batch.micro_batch, c.eval.max_batches)
+                               c.eval.batch_size or c.batch.micro_batch, c.eval.max_batches, teacher=self.teacher)
 
 
 def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None = None) -> dict:

@@ -1,4 +1,5 @@
-"""In-loop validation: the loss over packed validation blocks, split over the processes."""
+"""In-loop validation: the loss over packed validation blocks, split over the processes; with a
+teacher (distillation), how closely the model behaves like it on the same tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import torch
 from accelerate import Accelerator
 
-from uptrain.train.losses import lm_loss_sum
+from uptrain.train.losses import kd_loss_sum, lm_loss_sum
 
 
 def eval_share(n_blocks: int, world: int, rank: int) -> range:
@@ -18,7 +19,8 @@ def eval_share(n_blocks: int, world: int, rank: int) -> range:
 
 
 @torch.no_grad()
-def validate_blocks(model, val_blocks, accelerator: Accelerator, batch_size: int, max_batches: int | None) -> dict:
+def validate_blocks(model, val_blocks, accelerator: Accelerator, batch_size: int, max_batches: int | None,
+                    teacher=None) -> dict:
     """In-loop validation: loss over packed validation blocks (the training data format).
 
     Every block is a full seq_len window cut from the concatenated token stream, so tokens near
@@ -31,24 +33,43 @@ def validate_blocks(model, val_blocks, accelerator: Accelerator, batch_size: int
     block) and (loss sum, tokens) are summed over processes. Every process runs the same number
     of forwards, as sharded models (FSDP) need: one whose share is used up runs a forward on
     block 0 that is not counted.
+
+    With a `teacher` (the distillation's, usually the source model) also, over the same target
+    tokens: `val_kl_to_teacher`, the mean KL(teacher || model) in nats (temperature 1), and
+    `val_top1_agreement`, the share where both argmaxes agree (uptrain.eval --reference's
+    `kl_to_source` / `top1_agreement`, on packed blocks): one teacher forward per batch more.
     """
     world, rank = accelerator.num_processes, accelerator.process_index
     n_blocks = len(val_blocks) if max_batches is None else min(len(val_blocks), max_batches * batch_size)
     share = eval_share(n_blocks, world, rank)
     n_forwards = math.ceil(math.ceil(n_blocks / world) / batch_size)  # the largest share's
-    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # [loss sum, tokens]
+    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # [loss sum, tokens, KL sum, agreed]
     model.eval()
     for i in range(n_forwards):
         rows = share[i * batch_size:(i + 1) * batch_size]
         counted = len(rows) > 0
         first, last = (rows.start, rows.stop) if counted else (0, 1)
         ids = torch.tensor(val_blocks[first:last]["input_ids"], device=accelerator.device)
-        loss_sum, n = lm_loss_sum(model(input_ids=ids).logits, ids)
+        logits = model(input_ids=ids).logits  # [batch, seq, vocab]
+        loss_sum, n = lm_loss_sum(logits, ids)
+        batch = [loss_sum.double(), torch.tensor(float(n), dtype=torch.float64, device=sums.device)]
+        zero = torch.zeros((), dtype=torch.float64, device=sums.device)
+        batch += _against(logits, teacher(input_ids=ids).logits) if teacher is not None else [zero, zero]
         if counted:
-            sums += torch.stack([loss_sum.double(), torch.tensor(float(n), dtype=torch.float64, device=sums.device)])
+            sums += torch.stack([x.to(sums.device, torch.float64) for x in batch])
     model.train()
-    total_loss, tokens = accelerator.reduce(sums, reduction="sum").tolist()
+    total_loss, tokens, kl, agreed = accelerator.reduce(sums, reduction="sum").tolist()
     if tokens == 0:  # prevented by setup.check_validation_size; never report a perfect score on nothing
         raise RuntimeError("validation scored no tokens")
     loss = total_loss / tokens
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": int(tokens)}
+    record = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": int(tokens)}
+    if teacher is not None:
+        record |= {"val_kl_to_teacher": kl / tokens, "val_top1_agreement": agreed / tokens}
+    return record
+
+
+def _against(logits: torch.Tensor, teacher_logits: torch.Tensor) -> list[torch.Tensor]:
+    """[KL(teacher || model) summed over the target positions, how many argmaxes agree there]
+    (logits [batch, seq, vocab]; the last position has no target, as in the loss)."""
+    agreed = (logits[:, :-1].argmax(-1) == teacher_logits[:, :-1].argmax(-1)).sum()
+    return [kd_loss_sum(logits, teacher_logits, 1.0), agreed]

@@ -1,0 +1,100 @@
+"""A stop at any moment of `python -m uptrain.demo` (and of the sweep's uptraining) ends it cleanly.
+
+The demo converts, uptrains and scores in one process; the conversion's folders are written beside
+their place and the trainer handles stop signals itself while `train()` runs. Whatever the moment,
+from the imports to the uptraining's steps: exit 128 + the signal, one line, no traceback, no
+half-written folder. Real processes, real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
+
+DEMO_ARGS = ["--stories", "2", "--calib-tokens", "1024", "--refine-steps", "30", "--tasks", "none",
+             "budget.tokens=40960", "optim.warmup_steps=2", "log.progress_bar=false", "threads=1"]
+LINE = re.compile(r"^uptrain\.(demo|sweep): (interrupted|stopped by SIG\w+); ")
+
+
+def _caught(pid: int, sig: int) -> bool:
+    """Whether process `pid` handles `sig` (/proc's SigCgt: Python's defaults do not catch SIGTERM)."""
+    try:  # (before its exec the child has the test process's handlers: wait for the new program)
+        if b"uptrain" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, flags=re.M).group(1), 16) >> (sig - 1) & 1)
+
+
+def _stopped(command: list[str], signame: str, env: dict[str, str], wait_for: str | None) -> tuple[int, str]:
+    """Run `command`; send `signame` once stderr shows `wait_for` (None: once the handlers exist,
+    during the imports; "" : the process signals itself through a test hook). (exit code, stderr)."""
+    proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if wait_for is None:
+        while proc.poll() is None and not _caught(proc.pid, signal.SIGTERM):
+            time.sleep(0.005)
+        # the handlers must exist before the heavy imports: torch is not loaded yet
+        assert b"libtorch" not in Path(f"/proc/{proc.pid}/maps").read_bytes()
+        proc.send_signal(getattr(signal, signame))
+    elif wait_for:
+        seen = ""
+        while proc.poll() is None and wait_for not in seen:
+            seen = proc.stderr.readline()
+        proc.send_signal(getattr(signal, signame))
+    err = proc.communicate(timeout=300)[1]
+    return proc.returncode, err
+
+
+# (signal, what the test waits for, test hooks): the imports; the conversion's calibration and
+# refinement (the pause hook); the uptraining's set-up (a phase) and its steps (after step 2).
+MOMENTS = [
+    ("SIGTERM", None, {}),
+    ("SIGINT", "paused at calibrate", {"UPTRAIN_TEST_PAUSE_AT": "calibrate:60"}),
+    ("SIGTERM", "paused at refine", {"UPTRAIN_TEST_PAUSE_AT": "refine:60"}),
+    ("SIGTERM", "", {"UPTRAIN_TEST_SIGNAL_IN_SETUP": "models:SIGTERM"}),
+    ("SIGUSR1", "", {"UPTRAIN_TEST_SIGNAL_AT": "2:0:SIGUSR1"}),
+]
+
+
+def test_a_stop_at_any_moment_ends_the_demo_in_one_line_without_half_written_folders(tmp_path):
+    def run(k: int):
+        signame, wait_for, env = MOMENTS[k]
+        out = tmp_path / f"demo{k}"
+        code, err = _stopped([sys.executable, "-m", "uptrain.demo", "--out", str(out), *DEMO_ARGS],
+                             signame, env, wait_for)
+        return out, signame, code, err
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(run, range(len(MOMENTS))))
+    for out, signame, code, err in runs:
+        assert code == 128 + getattr(signal, signame), (out.name, signame, err[-3000:])
+        assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+        assert LINE.match(err.strip().splitlines()[-1]), err[-2000:]
+        left = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.exists() else []
+        assert not [n for n in left if ".partial-" in n or "partial-" in Path(n).name], left
+        assert not (out / "uptrain" / "model").exists(), left  # the uptraining never finished
+
+
+def test_a_stop_during_the_sweeps_uptraining_ends_it_in_one_line_and_the_rerun_continues(tmp_path):
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "uptrain.sweep", str(EXAMPLE_MHA8), "--data", str(VALID_TXT), "--stories", "2",
+               "--kv-heads", "2", "--out", str(out), "--uptrain-tokens", "16384", "--train-data", str(TRAIN_TXT)]
+    code, err = _stopped(command, "SIGTERM", {"UPTRAIN_TEST_SIGNAL_AT": "1:0:SIGTERM"}, "")
+    assert code == 143 and "Traceback" not in err, err[-3000:]
+    assert LINE.match(err.strip().splitlines()[-1]) and "rerun to continue" in err, err[-2000:]
+    assert (out / "kv2" / "config.json").is_file()  # the conversion finished before the uptraining: kept
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mean kv2: kept from the earlier run" in done.stdout, done.stdout
+    assert (out / "kv2-uptrained" / "model" / "config.json").is_file()
