@@ -2,7 +2,7 @@
 
     python scripts/make_tasks.py [--text FILE] [--out uptrain/measure/task_data] [--seed 0]
 
-Three tasks over the held-out TinyStories sample (the YAML beside the JSONL says how lm-eval
+Four tasks over the held-out TinyStories sample (the YAML beside the JSONL says how lm-eval
 scores them; `uptrain/measure/task_data/loader.py` reads the JSONL offline):
 - stories_ppl.jsonl     {"text"}: one story per line, the documents `uptrain.eval --data FILE`
                         reads from the same file (paragraphs), for the rolling-perplexity task.
@@ -11,6 +11,18 @@ scores them; `uptrain/measure/task_data/loader.py` reads the JSONL offline):
 - stories_ending.jsonl  {"context", "choices", "label"}: a story cut after sentence k (k >= 1);
                         choices = the true sentence k+1 and three sentences drawn (seeded) from
                         other stories, in a seeded order; label = index of the true one.
+- stories_name.jsonl    {"context", "target", "names"}: generated, not scored by likelihood. A
+                        story's names are its capitalised words that occur at least once inside a
+                        sentence (not after . ! ? or a quote: so "Lily", "Mom", never "The"). An
+                        item is the story cut just before a later occurrence of a name met
+                        earlier, so the story itself says who comes next: inside a sentence only
+                        ("Sara and" -> "Tom"; a sentence start could as well be "She"), at most
+                        NAME_CONTEXT_CHARS characters of context (whole sentences from the end:
+                        with max_gen_toks it fits stories260K's 512 tokens), which must still hold
+                        an earlier occurrence; duplicates dropped. target = the name (no space);
+                        names = the distinct names in the context, sorted: a guess among them is
+                        right with chance 1/len(names), and the mean of that over the items is
+                        the task's chance level (printed; in stories_name.yaml).
 Deterministic: the same text and seed give byte-identical files.
 """
 
@@ -21,6 +33,7 @@ import json
 import random
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +47,8 @@ SENTENCE_END = re.compile(r'(?:(?<=[.!?])|(?<=[.!?]"))\s+')
 WORD = re.compile(r"^([A-Za-z]+)([.!?,\"']*)$")
 N_CHOICES = 4
 MAX_ITEMS = 200  # per task: small files, seconds to score
+CAPITALISED = re.compile(r"\b[A-Z][a-z]+\b")
+NAME_CONTEXT_CHARS = 850  # <= 850 characters: at most ~470 stories260K tokens (1.8+ characters a token)
 
 
 def sentences(story: str) -> list[str]:
@@ -67,6 +82,48 @@ def ending_items(stories: list[str], rng: random.Random) -> list[dict]:
     return items
 
 
+def _inside_sentence(story: str, start: int) -> bool:
+    """Whether the word at `start` follows another word of its sentence (not . ! ? or a quote)."""
+    before = story[:start].rstrip()
+    return bool(before) and before[-1] not in ".!?\"'"
+
+
+def story_names(story: str) -> set[str]:
+    """Capitalised words that occur at least once inside a sentence: the story's names."""
+    return {m.group() for m in CAPITALISED.finditer(story) if _inside_sentence(story, m.start())}
+
+
+def _last_sentences(text: str, max_chars: int) -> str:
+    """The longest run of whole sentences ending `text` within max_chars (all of it when it fits)."""
+    if len(text) <= max_chars:
+        return text
+    starts = [m.end() for m in SENTENCE_END.finditer(text)]
+    return next((text[i:] for i in starts if len(text) - i <= max_chars), "")
+
+
+def name_items(stories: list[str], max_chars: int = NAME_CONTEXT_CHARS) -> list[dict]:
+    """Every later occurrence of a name inside a sentence, with the story before it (module docstring)."""
+    items, seen = [], set()
+    for story in stories:
+        names = story_names(story)
+        for m in CAPITALISED.finditer(story):
+            name = m.group()
+            if name not in names or not _inside_sentence(story, m.start()):
+                continue
+            context = _last_sentences(story[:m.start()].rstrip(), max_chars)
+            in_context = sorted(n for n in names if re.search(rf"\b{n}\b", context))
+            if name not in in_context or (context, name) in seen:
+                continue
+            seen.add((context, name))
+            items.append({"context": context, "target": name, "names": in_context})
+    return items
+
+
+def name_chance(items: list[dict]) -> float:
+    """The mean over name items of 1/k, k the distinct names in the context: a guess among them."""
+    return sum(1 / len(i["names"]) for i in items) / max(len(items), 1)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
@@ -89,7 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(out / "stories_ppl.jsonl", [{"text": s} for s in stories])
     write_jsonl(out / "stories_cloze.jsonl", cloze)
     write_jsonl(out / "stories_ending.jsonl", ending)
-    print(f"{len(stories)} stories -> {len(cloze)} cloze items, {len(ending)} ending items in {out}")
+    names = name_items(stories)
+    if len(names) > MAX_ITEMS:  # its own generator: the other tasks' files do not depend on this one
+        pick = random.Random(args.seed)
+        names = [names[i] for i in sorted(pick.sample(range(len(names)), MAX_ITEMS))]
+    write_jsonl(out / "stories_name.jsonl", names)
+    chance, (common, most) = name_chance(names), Counter(i["target"] for i in names).most_common(1)[0]
+    print(f"{len(stories)} stories -> {len(cloze)} cloze items, {len(ending)} ending items, {len(names)} name items "
+          f"(chance {chance:.3f}: a guess among the names in the context; always {common}: {most / len(names):.3f}) "
+          f"in {out}")
     return 0
 
 

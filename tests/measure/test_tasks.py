@@ -1,4 +1,5 @@
-"""lm-eval tasks: the bundled offline tasks through our CLIs, agreement with uptrain.eval, refusals.
+"""lm-eval tasks: the bundled offline tasks through our CLIs and the demo's table (the generating
+stories_name too), agreement with uptrain.eval, refusals.
 
 lm-evaluation-harness really runs here (the `eval` extra that scripts/setup.sh installs), on the
 real stories260K, with HF_HUB_OFFLINE=1: the bundled tasks need no network.
@@ -10,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -174,7 +176,82 @@ def test_task_plot_draws_accuracies_only(tmp_path: Path) -> None:
 
 
 def test_bundled_task_files_are_what_the_script_writes(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(ROOT / "scripts/make_tasks.py"), "--out", str(tmp_path)],
-                   check=True, capture_output=True, env=os.environ | {"PYTHONPATH": str(ROOT)}, timeout=300)
-    for name in ("stories_ppl.jsonl", "stories_cloze.jsonl", "stories_ending.jsonl"):
-        assert (tmp_path / name).read_bytes() == (TASK_DATA / name).read_bytes(), name
+    """The shipped files are the script's output, and the script writes the same bytes every time."""
+    for run in ("a", "b"):
+        subprocess.run([sys.executable, str(ROOT / "scripts/make_tasks.py"), "--out", str(tmp_path / run)],
+                       check=True, capture_output=True, env=os.environ | {"PYTHONPATH": str(ROOT)}, timeout=300)
+    for name in ("stories_ppl.jsonl", "stories_cloze.jsonl", "stories_ending.jsonl", "stories_name.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        assert (tmp_path / "a" / name).read_bytes() == (TASK_DATA / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------- stories_name: the generating task
+
+NAME_ITEMS = TASK_DATA / "stories_name.jsonl"
+
+
+def _name_rows() -> list[dict]:
+    return [json.loads(line) for line in NAME_ITEMS.read_text().splitlines()]
+
+
+def test_name_items_are_the_next_word_of_a_story() -> None:
+    """Each item is a held-out story cut just before a name met earlier in the context; the target is
+    that next word, the item fits the model's context with room to generate, and the YAML header's
+    numbers (items, chance, the commonest-name baseline) are the file's."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from uptrain.data import read_documents
+    from uptrain.data.source import DataSource
+
+    rows = _name_rows()
+    stories = read_documents(DataSource(files=[str(VALID_TXT)]))
+    config = yaml.safe_load((TASK_DATA / "stories_name.yaml").read_text().replace("!function", ""))
+    gen_toks = config["generation_kwargs"]["max_gen_toks"]
+    tok = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
+    assert 50 <= len(rows) <= 200 and NAME_ITEMS.stat().st_size < 200_000
+    for r in rows:
+        assert r["target"] in r["names"] and re.search(rf"\b{r['target']}\b", r["context"]), r
+        assert all(re.search(rf"\b{n}\b", r["context"]) for n in r["names"]), r
+        assert any(re.search(re.escape(r["context"]) + r"\s+" + r["target"] + r"\b", s) for s in stories), r
+        assert len(tok(r["context"])["input_ids"]) + gen_toks <= 511  # never cut on the left by lm-eval
+    chance = sum(1 / len(r["names"]) for r in rows) / len(rows)
+    common = max(sum(r["target"] == n for r in rows) for n in {r["target"] for r in rows}) / len(rows)
+    header = (TASK_DATA / "stories_name.yaml").read_text()
+    assert f"{len(rows)} items" in header and f"Chance {chance:.3f}" in header and f"scores {common:.3f}" in header
+
+
+def test_name_task_through_the_demo_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    """stories_name through the demo's own call (print_demo_scores -> score_paths -> run_tasks), beside a
+    log-likelihood task: exact_match ± stderr in the table; the lossless gqa4 generates exactly as the
+    source; a copy of the source whose generation_config.json samples hot still scores the same
+    (decoding is greedy); mean pooling to 2 K/V heads loses what the source gets right."""
+    from uptrain.convert import convert
+    from uptrain.measure import tasks
+
+    sampling = tmp_path / "sampling"
+    shutil.copytree(EXAMPLE_MHA8, sampling)
+    (sampling / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 5.0, "top_k": 0}))
+    convert(str(EXAMPLE_MHA8), tmp_path / "kv2-mean", 2)
+    seen: list = []
+    real = tasks.score_paths
+    monkeypatch.setattr(tasks, "score_paths", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    n = len(_name_rows())
+    paths = [EXAMPLE_MHA8, built_gqa4(), sampling, tmp_path / "kv2-mean"]
+    tasks.print_demo_scores(["source", "gqa4", "sampling", "kv2-mean"], [str(p) for p in paths],
+                            ["stories_cloze", "stories_name"], n)
+    table = capsys.readouterr().out
+    assert "| stories_cloze/acc ± stderr | stories_name/exact_match ± stderr |" in table
+    (rows,) = seen
+    em = [{s.column: s for s in row}["stories_name/exact_match"] for row in rows]
+    for s in em:
+        assert 0.0 <= s.value <= 1.0 and s.samples == n
+        assert s.value * n == pytest.approx(round(s.value * n))  # a mean of 0/1 outcomes
+        assert s.stderr == pytest.approx(math.sqrt(s.value * (1 - s.value) / (n - 1)), abs=1e-9)
+    source, gqa4, sampled, kv2 = (s.value for s in em)
+    assert gqa4 == source and sampled == source
+    # measured: source 9/76 = 0.118, kv2 mean 0/76 (it generates non-words). The source is NOT above the
+    # YAML's chance (0.552, a guess among the context's names): stories260K rarely generates a name at all.
+    assert source * n >= 5 and kv2 < source

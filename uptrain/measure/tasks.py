@@ -2,9 +2,17 @@
 
 `uptrain.eval --tasks NAMES` and `uptrain.compare --tasks NAMES` call `run_tasks` on every model:
 lm-eval's `simple_evaluate` on an `HFLM` wrapped around the model object already loaded, with
-the bundled offline tasks (`task_data/`: stories_ppl, stories_cloze, stories_ending, built by
-`scripts/make_tasks.py` from the held-out TinyStories sample), any `--tasks-path` folder of task
-YAML, and (network permitting) every task lm-eval knows.
+the bundled offline tasks (`task_data/`: stories_ppl, stories_cloze, stories_ending, stories_name,
+built by `scripts/make_tasks.py` from the held-out TinyStories sample), any `--tasks-path` folder
+of task YAML, and (network permitting) every task lm-eval knows.
+
+Generating tasks (`output_type: generate_until`, e.g. stories_name, scored by exact match) run on
+the same HFLM as the log-likelihood ones: lm-eval batches the contexts with left padding, leaves
+each `max_length - max_gen_toks` tokens (so a task should set `max_gen_toks` in its
+`generation_kwargs`: lm-eval's default, 256, would cut a 512-token model's contexts to 255),
+stops at the task's `until` strings or EOS and decodes with the tokenizer. Decoding is greedy
+unless the task asks to sample: lm-eval passes `do_sample=False` to `generate` when the task's
+temperature is 0 or unset, which overrides a checkpoint's `generation_config.json` that samples.
 
 How lm-eval's rolling perplexity relates to `uptrain.eval` (see the README): lm-eval scores a
 document in non-overlapping windows of `max_length` input tokens, each window's first token
@@ -33,7 +41,7 @@ from uptrain.cli import distinct_names, format_table, positive_int
 from uptrain.errors import UsageError
 
 TASK_DATA = Path(__file__).resolve().parent / "task_data"
-BUNDLED_TASKS = ("stories_ppl", "stories_cloze", "stories_ending")
+BUNDLED_TASKS = ("stories_ppl", "stories_cloze", "stories_ending", "stories_name")
 INSTALL_HINT = "pip install 'uptrain[eval]' (or: pip install 'lm-eval>=0.4,<0.5')"
 
 
