@@ -21,11 +21,19 @@ def test_demo_converts_uptrains_and_reports(tmp_path, capsys):
               re.findall(r"\| (MHA source|GQA-2, converted|GQA-2, uptrained)[^|]*\| ([0-9.]+)", out)}
     assert set(losses) == {"MHA source", "GQA-2, converted", "GQA-2, uptrained"}
     assert losses["MHA source"] < losses["GQA-2, uptrained"] < losses["GQA-2, converted"]
+    # fidelity to the source beside the loss: the source itself exactly 0 / 100%, the uptraining (distilled
+    # from the source) brings the converted model closer to it
+    fidelity = {name: (float(kl), float(top1)) for name, kl, top1 in re.findall(
+        r"\| (MHA source|GQA-2, converted|GQA-2, uptrained)[^|]*\|[^|]+\|[^|]+\| ([0-9.]+) +\| ([0-9.]+)%", out)}
+    assert fidelity["MHA source"] == (0.0, 100.0)
+    assert 0 < fidelity["GQA-2, uptrained"][0] < fidelity["GQA-2, converted"][0]
+    assert "KL(source || model)" in out and "warning:" not in out  # the source models its own kind of text
     assert "| 4x " in out and (tmp_path / "demo" / "uptrain" / "model" / "config.json").is_file()
     # the bundled lm-eval tasks, scored on all three models (accuracies in [0, 1] with stderrs)
     rows = re.findall(r"\| (MHA source|GQA-2, converted|GQA-2, uptrained)[^|]*\| ([0-9.]+) ± ([0-9.]+)", tasks)
     assert [r[0] for r in rows] == ["MHA source", "GQA-2, converted", "GQA-2, uptrained"]
     assert all(0.0 <= float(acc) <= 1.0 for _, acc, _ in rows)
+    assert "stories_name/exact_match ± stderr" in tasks  # the generating task: greedy text, not log-likelihoods
 
 
 def test_stories_counts_whole_stories_not_lines(tmp_path, capsys):

@@ -47,6 +47,16 @@ def test_the_sweep_scores_as_uptrain_eval_and_its_folders_are_plain_conversions(
     assert eval_main([*folders, "--data", str(subset), "--json", str(tmp_path / "eval.json")]) == 0
     records = json.loads((tmp_path / "eval.json").read_text())
     assert [r["loss"] for r in records] == pytest.approx([points[k]["loss"] for k in points], abs=1e-9)
+    # fidelity to the source: uptrain.eval --reference's numbers; the source against itself exactly 0 / 1
+    assert eval_main([*folders, "--data", str(subset), "--reference", str(EXAMPLE_MHA8),
+                      "--json", str(tmp_path / "fidelity.json")]) == 0
+    measured = json.loads((tmp_path / "fidelity.json").read_text())
+    for key in ("kl_to_source", "top1_agreement", "greedy_agreement"):
+        assert [r[key] for r in measured] == pytest.approx([points[k][key] for k in points], abs=1e-9), key
+    source = points["source"]
+    assert (source["kl_to_source"], source["top1_agreement"], source["greedy_agreement"]) == (0.0, 1.0, 1.0)
+    assert 0 < points["mean kv2"]["kl_to_source"] < points["mean kv1"]["kl_to_source"]
+    assert "KL to source" in printed and (out / "sweep-fidelity.png").stat().st_size > 0
     # each folder is what a plain `uptrain.convert` with the same settings writes
     convert(str(EXAMPLE_MHA8), tmp_path / "plain2", 2, "mean")
     ours, plain = _tensors(out / "kv2"), _tensors(tmp_path / "plain2")
@@ -112,6 +122,8 @@ def test_bench_and_uptraining_per_count_scored_as_uptrain_eval_and_kept_by_a_rer
     assert record["loss"] == pytest.approx(after["loss_after_uptraining"], abs=1e-9)
     assert record["perplexity"] == pytest.approx(after["perplexity_after_uptraining"], rel=1e-9)
     assert after["loss_after_uptraining"] != after["loss"]  # it was trained
+    kl_after = after["fidelity_after_uptraining"]["kl_to_source"]
+    assert kl_after >= 0 and kl_after != after["kl_to_source"] and "KL to source after" in printed
     # sweep.png: a second, dashed curve through the losses after uptraining
     figure = plot_sweep(list(points.values()), tmp_path / "curve.png")
     assert "mean, uptrained 4,096 tokens" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
@@ -199,6 +211,38 @@ def test_all_counts_are_every_count_below_the_source_that_divides_it(heads, kv):
 
 def _point(kv: int, loss: float) -> Point:
     return Point(f"fit kv{kv}", "fit", kv, loss, 0.0, 0.0, 0.0, "x", {"source_kv_heads": 8}, 0.0)
+
+
+def _scored(kv: int, loss: float, kl: float) -> Point:
+    return Point(f"fit kv{kv}", "fit", kv, loss, 0.0, 0.0, 0.0, "x", {"source_kv_heads": 8}, 0.0, kl_to_source=kl,
+                 top1_agreement=0.9, greedy_agreement=0.5)
+
+
+def test_the_recommendation_bounds_the_kl_when_asked_and_rests_on_it_when_the_loss_cannot_choose():
+    points = [_scored(4, 2.005, 0.004), _scored(2, 2.01, 0.05), _scored(1, 1.9, 0.3)]
+    assert recommend(points, 2.0, 0.01).startswith("recommended: 1 K/V heads")  # by loss alone
+    assert recommend(points, 2.0, 0.01, max_kl=0.01).startswith("recommended: 4 K/V heads")
+    assert recommend(points, 2.0, 0.1, max_kl=0.1).startswith("recommended: 2 K/V heads")  # kv1: KL 0.3
+    # the loss misleads (a warning said why): by the KL alone, bound by default to 1% x 2.0 = 0.02 nats
+    said = recommend(points, 2.0, 0.01, loss_misleads=True)
+    assert "the loss cannot choose here" in said and "recommended: 4 K/V heads" in said and "KL 0.0200" in said
+    assert "recommended: 2 K/V heads" in recommend(points, 2.0, 0.01, max_kl=0.06, loss_misleads=True)
+    assert "none of the counts is within KL 0.0010" in recommend(points, 2.0, 0.01, max_kl=0.001, loss_misleads=True)
+
+
+def test_on_text_the_source_barely_models_the_sweep_warns_and_recommends_by_fidelity(tmp_path, capsys):
+    """Random letters: the source's loss is near chance (ln 512); the losses there cannot choose a count."""
+    import random
+
+    rng = random.Random(0)
+    noise = tmp_path / "noise.txt"
+    noise.write_text("\n\n".join(" ".join("".join(rng.choice("qxzjkvwy") for _ in range(rng.randint(2, 9)))
+                                           for _ in range(60)) for _ in range(3)))
+    out = tmp_path / "sweep"
+    assert main([str(EXAMPLE_MHA8), "--data", str(noise), "--threads", "1", "--kv-heads", "2,1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: the source's loss on this text" in printed and "of chance (ln 512" in printed
+    assert "the loss cannot choose here" in printed
 
 
 def test_recommendation_is_the_smallest_count_within_the_bound_or_says_none():

@@ -55,7 +55,7 @@ TRAIN = EXAMPLES / "data" / "tinystories-train-sample.txt"
 REFINE_STEPS = 1200  # the converter's --refine-steps default (results/refine-uptrain.md: the demo's goal needs it)
 OWN_MODEL_LR = 1e-4  # 1/3 of 3e-4, a common pre-training peak; configs/demo-cpu.yaml's 1e-3 is tuned to stories260K
 HELD_OUT_SHARE = 0.1  # of --data's documents, when no --valid
-BUNDLED_TASKS = "stories_cloze,stories_ending"  # TinyStories tasks (uptrain/measure/task_data/)
+BUNDLED_TASKS = "stories_cloze,stories_ending,stories_name"  # TinyStories tasks (uptrain/measure/task_data/); the last generates
 
 
 def held_out_loss(model_dir: Path, texts: list[str], max_length: int | None = None,
@@ -278,18 +278,46 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
 
 
 def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_length: int, stride: int) -> None:
-    """The held-out loss table of `models` (label, folder), scored as uptrain.eval scores."""
-    print(f"== score {len(models)} models on {len(valid)} held-out documents ({max_length}-token windows)", flush=True)
-    rows = [(label, *held_out_loss(path, valid, max_length, stride)) for label, path in models]
-    base_kv = rows[0][3]
-    table = [[label, f"{loss:.3f}", f"{ppl:.2f}", f"{kv:,} B", f"{base_kv / kv:.0f}x"] for label, loss, ppl, kv in rows]
+    """The held-out table of `models` (label, folder), the source first, scored as uptrain.eval scores,
+    each against the source (`uptrain.eval --reference`): loss, KL to the source, top-1 and greedy
+    agreement, and the KV cache; the warnings when the loss cannot be read at face value."""
+    from uptrain.measure.eval import evaluate_paths
+    from uptrain.measure.fidelity import GreedySettings, fidelity_note, fidelity_warnings
+
+    print(f"== score {len(models)} models on {len(valid)} held-out documents ({max_length}-token windows), each "
+          "against the source", flush=True)
+    results = evaluate_paths([str(path) for _, path in models], valid, max_length, stride, reference=str(models[0][1]),
+                             greedy=GreedySettings().within(max_length, explicit=False))
+    kv = [_kv_bytes_per_token(path) for _, path in models]
+    table = [[label, f"{r.loss:.3f}", f"{r.perplexity:.2f}", f"{r.kl_to_source:.4f}", f"{r.top1_agreement:.1%}",
+              "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1%}", f"{b:,} B", f"{kv[0] / b:.0f}x"]
+             for (label, _), r, b in zip(models, results, kv)]
     print(f"\nHeld-out loss on {what}, {max_length}-token windows, stride {stride}: the model's context, as "
           "uptrain.eval scores):\n")
-    print(format_table(["model", "loss (nats/token)", "perplexity", "KV cache / token", "KV reduction"], table))
+    print(format_table(["model", "loss (nats/token)", "perplexity", "KL to source", "top-1 agr.", "greedy agr.",
+                        "KV cache / token", "KV reduction"], table))
+    print(f"\n({fidelity_note(results)}: how closely each model behaves like the source, which the loss alone "
+          "does not say)")
+    rows = [(label, r.loss, r.loss_vs_source, r.loss_vs_source_se) for (label, _), r in zip(models[1:], results[1:])]
+    for line in fidelity_warnings(results[0].loss, results[0].vocab_size, rows):
+        print(line)
     if len(models) > 2:
         print("\n(The trainer's val loss above is over packed blocks of the training format, each document's "
               "context cut at block edges; this table scores each document whole: the two differ, this one "
               "is the number to compare models with. docs/layout.md, 'Two validation numbers'.)")
+
+
+def _kv_bytes_per_token(model_dir: Path) -> int:
+    """KV-cache bytes per token of a model folder, in its stored dtype (the registry's K/V head field)."""
+    from transformers import AutoConfig
+
+    from uptrain.units import DTYPES
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    shape = model_shape(config)
+    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
+    return kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
 
 
 DEMO_MARK = ".uptrain-demo"  # in a folder the demo made: only such a folder is replaced by --out

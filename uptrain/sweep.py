@@ -41,6 +41,7 @@ if __name__ == "__main__":  # first act: Ctrl-C / SIGTERM during the imports bel
 
     interrupt.install("uptrain.sweep", AS_IT_WAS)
 
+import functools
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,8 +49,9 @@ from pathlib import Path
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert.options import ConversionOptions, add_conversion_args, conversion_options
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.sweep_extras import add_extra_args, after_uptraining, check_extras, notes, run_extras, table_columns
-from uptrain.sweep_record import MARK, RECORDS, SweepFolder, changes
+from uptrain.sweep_extras import add_extra_args, check_extras, fidelity_of, run_extras
+from uptrain.sweep_record import MARK, SweepFolder, changes
+from uptrain.sweep_report import print_estimate, recommend, report  # noqa: F401 (recommend: public here too)
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 
 
@@ -78,6 +80,14 @@ class Point:
     uptrain_seconds: float | None = None  # uptraining + scoring
     uptrained_folder: str | None = None  # OUT/kv{N}-uptrained/model
     uptrain_settings: dict | None = None
+    # against the source (uptrain.measure.fidelity, the source itself: 0 / 1 exactly)
+    kl_to_source: float | None = None  # mean KL(source || model), nats/token, over the scored tokens
+    top1_agreement: float | None = None  # share of those tokens where both argmaxes agree
+    greedy_agreement: float | None = None  # share of greedy-continuation tokens equal to the source's
+    greedy_prefix: float | None = None  # mean tokens before the first difference
+    loss_vs_source: float | None = None  # loss - the source's, over the same tokens
+    loss_vs_source_se: float | None = None  # its standard error over documents
+    fidelity_after_uptraining: dict | None = None  # the six above, of the uptrained model
 
 
 def sweep_counts(spec: str, heads: int, kv: int, mqa_only: bool, model_type: str) -> list[int]:
@@ -103,21 +113,6 @@ def sweep_counts(spec: str, heads: int, kv: int, mqa_only: bool, model_type: str
     return sorted(counts, reverse=True)
 
 
-def recommend(points: list[Point], source_loss: float, max_increase: float) -> str:
-    """The smallest K/V count of the chosen method within `max_increase` of the source's loss."""
-    bound = source_loss * (1 + max_increase)
-    fitting = [p for p in points if p.loss <= bound]
-    if not fitting:
-        best = min(points, key=lambda p: p.loss)
-        return (f"none of the counts is within {max_increase:.1%} of the source's loss {source_loss:.4f} (at most "
-                f"{bound:.4f}); the closest is {best.kv_heads} K/V heads at {best.loss:.4f} "
-                f"({best.loss / source_loss - 1:+.1%}): uptrain it, or keep more K/V heads")
-    pick = min(fitting, key=lambda p: p.kv_heads)
-    return (f"recommended: {pick.kv_heads} K/V heads, the smallest count within {max_increase:.1%} of the "
-            f"source's loss ({pick.loss:.4f} vs {source_loss:.4f}, {pick.loss / source_loss - 1:+.2%}), "
-            f"a KV cache {points[0].settings['source_kv_heads'] / pick.kv_heads:g}x smaller")
-
-
 def _parser() -> ArgParser:
     p = ArgParser(prog=prog_name("uptrain.sweep"), description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="the MHA (or GQA) model: a local folder or a Hub id")
@@ -130,6 +125,9 @@ def _parser() -> ArgParser:
     p.add_argument("--baseline", choices=["mean"], help="also sweep mean pooling, drawn beside the chosen method")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences for the KV bytes at full context")
     p.add_argument("--max-loss-increase", type=float, default=0.01, help="the recommendation's bound (default 0.01)")
+    p.add_argument("--max-kl", type=float, default=None, help="also bound the recommendation's KL to the source "
+                   "(nats/token); where the loss cannot choose (a warning says why) the recommendation rests on "
+                   "the KL alone, bounded by this or by the loss bound in nats")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out documents")
     p.add_argument("--out", type=Path, required=True, help="the sweep's folder (a rerun continues it)")
     add_extra_args(p)
@@ -186,15 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     announce_threads()
     _check_conversions(folder, jobs, counts)  # what needs the model's config: before anything is written
     fingerprints = sweep.fingerprints(folder, args.data, options.calib if options.calibrated else None)
+    from uptrain.measure.fidelity import GreedySettings
+
+    greedy = GreedySettings().within(max_length, explicit=False)  # fidelity's greedy prompts, as uptrain.eval's
     scoring = {"uptrain": fingerprints["uptrain"], "data": str(args.data.resolve()), "data_sha256": fingerprints["data"],
-               "stories": args.stories}
+               "stories": args.stories, "fidelity": asdict(greedy)}
+    score = functools.partial(_score, texts=texts, max_length=max_length, stride=stride, batch=args.batch,
+                              reference=folder, greedy=greedy)
     done = {p["label"]: Point(**p) for p in sweep.points}
     source = done.get("source")
     if source is None or source.settings.get("scoring") != {**scoring, "checkpoint": fingerprints["checkpoint"]}:
         _say_redone("source", source, {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}})
-        source = _score(folder, "source", "source", shape.kv_heads,
-                        {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}}, 0.0, texts, max_length,
-                        stride, args.batch)
+        source = score(folder, "source", "source", shape.kv_heads,
+                       {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}}, 0.0)
     points = [source]
     sweep.write([asdict(p) for p in points])
     for name, opts, outs in jobs:
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         for count in counts:  # each scored and recorded in turn: a stopped sweep keeps what it scored
             point = kept.get(count)
             if point is None or point.settings["scoring"] != scoring:
-                point = _score(*(made.get(count) or _rescore(point)), texts, max_length, stride, args.batch)
+                point = score(*(made.get(count) or _rescore(point)))
                 point.settings["scoring"] = scoring
             points.append(point)
             sweep.write([asdict(p) for p in points])
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     run_extras(args, folder, points, texts, max_length, stride, raw, lambda now: sweep.write([asdict(p) for p in now]),
                sweep.mark)
     sweep.write([asdict(p) for p in points])
-    _report(args, points, jobs[0][0])
+    report(args, points, jobs[0][0], _vocab_size(raw))
     return 0
 
 
@@ -289,13 +291,14 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
     from uptrain.convert.several import convert_counts
 
     calibration = options.calibration()
-    refine = options.refine_settings(log=lambda line: print(f"   {line}", flush=True))  # convert_counts names the count
+    refine = options.refine_settings()  # its per-layer lines: `progress` below, with the layers left and the time
     began = time.monotonic()
     print(f"== {name} kv{', kv'.join(map(str, counts))}: converting together into {args.out} (one read of the "
           f"source{', one calibration pass' if calibration else ''})", flush=True)
     convert_counts(str(folder), {n: outs[n] for n in counts}, options.method, seed=options.seed, force=True,
                    calibration=calibration, grouping=options.grouping, refine=refine,
-                   on_planned=lambda plans: _print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"})
+                   on_planned=lambda plans: print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"},
+                   progress=lambda count, line: print(f"   kv{count}: {line}", flush=True))
     from uptrain import interrupt
 
     interrupt.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now
@@ -306,65 +309,31 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
     return {n: (outs[n], f"{name} kv{n}", method, n, settings, seconds) for n in counts}
 
 
-def _print_estimate(plans: dict, score_s: float) -> None:
-    """The sweep's plan: what the conversions will take at most (refine's measured step time, as the
-    converter's plan states it for one count) and the scoring, from the source's own scoring time."""
-    from uptrain.convert.plan import human_seconds
-
-    refine = [p.refinement["probe"].get("seconds_at_most") for p in plans.values() if p.refinement]
-    parts = []
-    if refine and all(s is not None for s in refine):
-        parts.append(f"refinement at most {human_seconds(sum(refine))} ({len(refine)} counts, early stopping "
-                     f"usually ends sooner)")
-    parts.append(f"scoring about {human_seconds(score_s * len(plans))} ({len(plans)} models at the source's "
-                 f"{human_seconds(score_s)})")
-    print(f"   plan: {'; '.join(parts)}; the calibration stream and the reads once for all", flush=True)
-
-
 def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict, seconds: float, texts: list[str],
-           max_length: int, stride: int, batch: int) -> Point:
-    """Score `folder` with uptrain.eval's code (`evaluate_paths`) and size its KV cache."""
+           max_length: int, stride: int, batch: int, reference: Path, greedy) -> Point:
+    """Score `folder` with uptrain.eval's code (`evaluate_paths`), against the source `reference` (KL,
+    top-1 and greedy agreement: `uptrain.measure.fidelity`), and size its KV cache."""
     from transformers import AutoConfig
     from uptrain.convert.io.hfconfig import model_shape
     from uptrain.measure.eval import evaluate_paths
-    from uptrain.units import kv_cache_bytes_per_token
+    from uptrain.units import DTYPES, kv_cache_bytes_per_token
 
     began = time.monotonic()
-    (result,) = evaluate_paths([str(folder)], texts, max_length, stride)
+    (result,) = evaluate_paths([str(folder)], texts, max_length, stride, reference=str(reference), greedy=greedy)
     config = AutoConfig.from_pretrained(folder).get_text_config()
     shape = model_shape(config)
-    from uptrain.units import DTYPES
-
     stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
     per_token = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
     context = getattr(config, "max_position_embeddings", None) or max_length
     settings = {**settings, "context": context, "batch": batch, "max_length": max_length, "stride": stride}
     return Point(label, method, kv_heads, result.loss, result.perplexity, per_token, per_token * context * batch,
-                 str(folder), settings, round(seconds + time.monotonic() - began, 3))
+                 str(folder), settings, round(seconds + time.monotonic() - began, 3), **fidelity_of(result))
 
 
-def _report(args, points: list[Point], method: str) -> None:
-    """The table, the plot and the recommendation."""
-    from uptrain.measure.plots import plot_sweep
-
-    source = points[0]
-    rows = [[p.label if p.method == "source" else f"{p.method} kv{p.kv_heads}", p.kv_heads, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
-             f"{p.kv_bytes_per_token:,.0f} B", f"{p.kv_bytes_at_context / 2**20:,.1f} MiB",
-             f"{source.kv_bytes_per_token / p.kv_bytes_per_token:g}x"] for p in points]
-    extra_headers, extra_cells = table_columns(points, source.loss)  # --bench, --uptrain-tokens
-    print(format_table(["model", "K/V heads", "loss", "perplexity", "vs source", "KV / token",
-                        f"KV at {source.settings['context']:,} tokens x {args.batch}", "KV reduction", *extra_headers],
-                       [row + extra for row, extra in zip(rows, extra_cells)]))
-    for line in notes(points):
-        print(line)
-    plot_sweep([asdict(p) for p in points], args.out / "sweep.png")
-    chosen = [p for p in points[1:] if p.label.startswith(method + " ")]
-    print(recommend(chosen, source.loss, args.max_loss_increase))
-    uptrained = after_uptraining(chosen)
-    if uptrained:
-        print("after uptraining: " + recommend(uptrained, source.loss, args.max_loss_increase))
-    print(f"wrote {args.out / RECORDS} and {args.out / 'sweep.png'}")
+def _vocab_size(raw: dict) -> int:
+    """The source's vocabulary (chance loss = ln of it), top level or in a multimodal text_config."""
+    return raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,15 @@ _FIXED_KEYS = ("model", "run_dir", "overwrite", "data.train.files", "data.val.fi
                "budget.fraction", "budget.pretrain_tokens", "distill.teacher", "threads")
 
 
+FIDELITY = ("kl_to_source", "top1_agreement", "greedy_agreement", "greedy_prefix", "loss_vs_source",
+            "loss_vs_source_se")  # a sweep point's fields against the source (uptrain.measure.fidelity)
+
+
+def fidelity_of(result) -> dict:
+    """A sweep point's fidelity fields from an EvalResult scored against the source."""
+    return {k: getattr(result, k) for k in FIDELITY}
+
+
 def add_extra_args(p: argparse.ArgumentParser) -> None:
     """The sweep's `--bench` and `--uptrain-tokens` options."""
     b = p.add_argument_group("decode speed per count (--bench; uptrain.bench's timer)")
@@ -247,8 +256,12 @@ def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: lis
         interrupt.end_after_training_stop(err)
         raise
     finished = json.loads((run_dir / "finished.json").read_text())
-    (result,) = evaluate_paths([str(run_dir / "model")], texts, max_length, stride)
+    from uptrain.measure.fidelity import GreedySettings
+    greedy = GreedySettings(**point.settings["scoring"]["fidelity"])  # as the point itself was scored
+    (result,) = evaluate_paths([str(run_dir / "model")], texts, max_length, stride, reference=str(source),
+                               greedy=greedy)
     point.loss_after_uptraining, point.perplexity_after_uptraining = result.loss, result.perplexity
+    point.fidelity_after_uptraining = fidelity_of(result)
     point.uptrain_tokens, point.uptrain_steps = finished["tokens"], finished["steps"]
     point.uptrain_seconds = round(time.monotonic() - began, 3)
     point.uptrained_folder, point.uptrain_settings = str(run_dir / "model"), settings
@@ -273,10 +286,12 @@ def table_columns(points: list, source_loss: float) -> tuple[list[str], list[lis
             row.append("-" if p.decode_tokens_per_s is None else f"{p.decode_tokens_per_s:,.1f}{note}")
     if any(p.loss_after_uptraining is not None for p in points):
         tokens = sorted({p.uptrain_tokens for p in points if p.uptrain_tokens is not None})
-        headers += [f"loss after uptraining ({' / '.join(f'{t:,}' for t in tokens)} tokens)", "vs source"]
+        headers += [f"loss after uptraining ({' / '.join(f'{t:,}' for t in tokens)} tokens)", "vs source",
+                    "KL to source after"]
         for row, p in zip(cells, points):
-            after = p.loss_after_uptraining
-            row += ["-", ""] if after is None else [f"{after:.4f}", f"{after / source_loss - 1:+.2%}"]
+            after, kl = p.loss_after_uptraining, (p.fidelity_after_uptraining or {}).get("kl_to_source")
+            row += ["-", "", "-"] if after is None else [f"{after:.4f}", f"{after / source_loss - 1:+.2%}",
+                                                         "-" if kl is None else f"{kl:.4f}"]
     return headers, cells
 
 
@@ -286,7 +301,8 @@ def notes(points: list) -> list[str]:
 
 
 def after_uptraining(points: list) -> list:
-    """Copies of the points that were uptrained, their loss the loss after uptraining (for `recommend`)."""
+    """Copies of the points that were uptrained, their loss and fidelity those after uptraining (for `recommend`)."""
     import dataclasses
 
-    return [dataclasses.replace(p, loss=p.loss_after_uptraining) for p in points if p.loss_after_uptraining is not None]
+    return [dataclasses.replace(p, loss=p.loss_after_uptraining, **(p.fidelity_after_uptraining or {}))
+            for p in points if p.loss_after_uptraining is not None]

@@ -130,3 +130,17 @@ def test_a_kill_at_any_moment_leaves_all_counts_or_none(tmp_path):
         assert present in ([], ["kv1", "kv2", "kv4"]), (delay, present)
         for name in present:
             assert (out / name / "uptrain_conversion.json").is_file(), (delay, name)
+
+
+def test_each_count_reports_its_layers_to_progress(tmp_path, one_torch_thread):
+    """`progress` hears (count, line) for each layer of each count (prepare's per-layer line, the
+    layers done and time left): 5 layers of stories260K for every count, the refinement's line in them."""
+    lines: list[tuple[int, str]] = []
+    convert_counts(str(EXAMPLE_MHA8), {n: tmp_path / f"kv{n}" for n in COUNTS}, "fit",
+                   calibration=Calibration(TRAIN_TXT, 600), refine=RefineSettings(steps=2),
+                   progress=lambda count, line: lines.append((count, line)))
+    assert sorted({n for n, _ in lines}) == sorted(COUNTS)
+    for n in COUNTS:
+        mine = [line for count, line in lines if count == n]
+        assert [f"[{k}/5 layers" in line for k, line in enumerate(mine, 1)] == [True] * 5, mine
+        assert all("refine layer" in line for line in mine), mine

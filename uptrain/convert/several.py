@@ -7,9 +7,10 @@ times and run the calibration stream N times. Here each count is an ordinary con
 its output; the folders take their places together once every count is complete (all or none).
 The N conversions share
 
-- one calibration stream (`Calibration(users=N)`): each layer runs once; a layer is freed once
-  every count has moved past it, so the counts advance layer by layer together and memory stays
-  one original layer plus each count's student;
+- one calibration stream (`Calibration.share(N)`: each count reads it through its own handle,
+  with its own keep and threads; `layers/schedule.py` is the contract): each layer runs once; a
+  layer is freed once every count has moved past it, so the counts advance layer by layer together
+  and memory stays one original layer plus each count's student;
 - one read of each source tensor the conversions build from (`SharedReads`): the first count to
   ask reads it, the others take the same tensor, and it is dropped after the last.
 
@@ -106,7 +107,8 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
                    grouping: str = "contiguous", calibration: Calibration | None = None,
                    refine: RefineSettings | None = None,
                    on_planned: Callable[[dict[int, ConversionPlan]], None] | None = None,
-                   extra_files: dict[str, str] | None = None) -> dict[int, ConversionPlan]:
+                   extra_files: dict[str, str] | None = None,
+                   progress: Callable[[int, str], None] | None = None) -> dict[int, ConversionPlan]:
     """Convert `checkpoint` to each K/V count `n` into `outs[n]` (as `convert` would, one folder
     each), with one calibration pass and one read of each source tensor for all of them.
 
@@ -115,13 +117,17 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
     a failure in any count (or in putting one in place) stops them all and leaves every output as
     it was. on_planned: called with every count's plan once all are planned, before any tensor is
     read (the sweep prints its estimate). extra_files: name -> text written into every folder
-    (the sweep's ownership mark). Returns each count's plan (its record: `plan.record()`).
+    (the sweep's ownership mark). progress: called with (count, line) for each layer a count has
+    converted on the layer-at-a-time path (`prepare`'s progress: the layers done and the time left,
+    the refinement's line in it). Returns each count's plan (its record: `plan.record()`).
     """
     _check(outs, calibration)  # --refine without --calib: prepare's one-line error, as for one count
     max_shard = parse_size(max_shard_size)
     counts = list(outs)
-    if calibration is not None:
-        calibration.users = len(counts)
+    users = calibration.share(len(counts)) if calibration is not None else [None] * len(counts)
+    for handle in users:  # every count's layer runs at the threads the counts start with, whoever starts one
+        if handle is not None:
+            handle.threads = torch.get_num_threads()
     planned: dict[int, Planned] = {}
     errors: list[BaseException] = []
     # every count's reads are registered before any count reads; then the caller sees the plans
@@ -132,9 +138,10 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
 
     def one(user: int, count: int, tmp: Path) -> None:
         try:
-            source, plan, outputs, new_config = prepare(checkpoint, count, method, seed, None, dtype, False,
-                                                        grouping, calibration, refine=_labelled(refine, count),
-                                                        user=user)
+            source, plan, outputs, new_config = prepare(
+                checkpoint, count, method, seed, None, dtype, False, grouping, users[user],
+                refine=_labelled(refine, count), user=user,
+                progress=None if progress is None else lambda line, k=count: progress(k, line))
             check_output_path(outs[count], source.path, force)
             plan.notes.append(f"converted together with K/V counts {', '.join(map(str, counts))}: one read of the "
                               f"source{' and one calibration stream' if calibration else ''} for all")
@@ -151,11 +158,11 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
         except BaseException as err:  # noqa: BLE001 (raised below, after every thread has stopped)
             errors.append(err)
             ready.abort()
-            if calibration is not None:
-                calibration.leave(user, failed=f"K/V count {count}: {type(err).__name__}: {err}")
+            if users[user] is not None:
+                users[user].leave(failed=f"K/V count {count}: {type(err).__name__}: {err}")
             return
-        if calibration is not None:
-            calibration.leave(user)
+        if users[user] is not None:
+            users[user].leave()
 
     with atomic_output_dirs([outs[n] for n in counts], replace=force) as tmps:
         _run_threads([threading.Thread(target=one, args=(u, n, tmps[u]), name=f"convert-kv{n}")
@@ -167,7 +174,8 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
 
 
 def _run_threads(threads: list[threading.Thread]) -> None:
-    """Start and join `threads`, torch's thread count as it was after (each conversion sets it)."""
+    """Start and join `threads`, torch's thread count as it was after (each conversion's writing sets
+    and restores it, `pipeline.build_outputs`, and torch's count is one for the process)."""
     torch_threads = torch.get_num_threads()
     try:
         for t in threads:

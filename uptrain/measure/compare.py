@@ -4,7 +4,8 @@
 
 For every model: KV-cache bytes per token (measured) and the reduction against the source,
 median decode tokens/s and the speed-up against the source, loss and perplexity on the
-data and the perplexity change. Reuses `uptrain.eval` and `uptrain.bench`.
+data and the perplexity change, and its fidelity to the source (the reference: KL to source, top-1
+and greedy agreement, uptrain.measure.fidelity). Reuses `uptrain.eval` and `uptrain.bench`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from uptrain.measure.bench import BenchResult, add_bench_args, bench_from_args, 
 from uptrain.errors import exit_on_usage_error
 from uptrain.cli import ArgParser, distinct_names, format_table, prog_name
 from uptrain.threads import announce_threads, start_threads
-from uptrain.measure.eval import EvalResult, add_data_args, evaluate_paths, read_cli_documents, window_args
+from uptrain.measure.eval import (EvalResult, add_data_args, evaluate_paths, fidelity_records, print_fidelity_warnings,
+                                  read_cli_documents, window_args)
+from uptrain.measure.fidelity import add_fidelity_args, greedy_from_args
 
 
 @dataclass
@@ -35,6 +38,9 @@ class Comparison:
     perplexity_change_pct: float
     eval: EvalResult
     bench: BenchResult
+    kl_to_source: float | None = None  # fidelity to the source (eval's fields; None when not measured)
+    top1_agreement: float | None = None
+    greedy_agreement: float | None = None
 
 
 def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list[Comparison]:
@@ -52,6 +58,7 @@ def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list
             model=e.model, kv_heads=b.kv_heads, kv_reduction=src_b.kv_bytes_per_token / b.kv_bytes_per_token,
             decode_speedup=speedup, decode_unreliable=unreliable, loss=e.loss, perplexity=e.perplexity,
             perplexity_change_pct=100.0 * (e.perplexity / src_e.perplexity - 1.0), eval=e, bench=b,
+            kl_to_source=e.kl_to_source, top1_agreement=e.top1_agreement, greedy_agreement=e.greedy_agreement,
         ))
     return rows
 
@@ -72,14 +79,24 @@ def _speed_cell(row: Comparison, speed: dict[str, float], setting: str) -> str:
     return f"{speed[setting]:.1f} ({row.decode_speedup[setting]:.2f}x)"
 
 
+def _fidelity_cells(row: Comparison) -> list[str]:
+    """KL to source, top-1 and greedy agreement ("-" where not measured)."""
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    kl = "-" if row.kl_to_source is None else f"{row.kl_to_source:.4f}"
+    return [kl, pct(row.top1_agreement), pct(row.greedy_agreement)]
+
+
 def comparison_table(rows: Sequence[Comparison]) -> str:
     """Markdown: a summary line per model, then decode tok/s (speed-up) per batch x context."""
     speedups = [[v for k, v in r.decode_speedup.items() if k not in r.decode_unreliable] for r in rows]
+    fidelity = any(r.kl_to_source is not None for r in rows)  # columns only where measured
     summary = format_table(
         ["model", "kv heads", "KV B/token", "KV reduction", "loss", "perplexity", "ppl change",
-         "decode speed-up (geo-mean)"],
+         *(["KL to source", "top-1 agr.", "greedy agr."] if fidelity else []), "decode speed-up (geo-mean)"],
         [[r.model, r.kv_heads, f"{r.bench.kv_bytes_per_token:g}", f"{r.kv_reduction:.2f}x", f"{r.loss:.4f}",
-          f"{r.perplexity:.3f}", f"{r.perplexity_change_pct:+.2f}%",
+          f"{r.perplexity:.3f}", f"{r.perplexity_change_pct:+.2f}%", *(_fidelity_cells(r) if fidelity else []),
           _geo_mean(r, s)] for r, s in zip(rows, speedups)],
     )
     speed = [{f"{d.batch}x{d.context}": d.decode_tokens_per_s for d in r.bench.decode} for r in rows]
@@ -102,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("gqa", nargs="+", metavar="GQA", help="converted / uptrained model folders")
     add_data_args(parser)
     add_bench_args(parser)
+    add_fidelity_args(parser, reference=False)  # the source is the reference
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     from uptrain.measure import tasks as lm_tasks
 
@@ -111,16 +129,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = [args.source, *args.gqa]
     task_names, manager = lm_tasks.tasks_from_args(args)  # refuse bad --tasks before any scoring
     max_length, stride = window_args(args, paths)
+    greedy = greedy_from_args(args, max_length, args.source)
     texts = read_cli_documents(args)
     announce_threads()
-    evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device)
+    evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device, args.source, greedy)
     benches = bench_from_args(args, paths)
     rows = compare(evals, benches)
     out = sys.stderr if args.json == "-" else sys.stdout
     print(f"perplexity: max_length {max_length}, stride {stride}, {evals[0].documents} documents; "
           f"decode: {args.new_tokens} new tokens, median of {args.repeats}; settings are batch x context", file=out)
+    print(f"fidelity to the source: KL(source || model) nats/token and top-1 agreement over the {evals[0].tokens:,} "
+          f"scored tokens; greedy agreement over {evals[0].greedy_prompts} prompts of {evals[0].prompt_tokens} tokens, "
+          f"{evals[0].continuation_tokens} continued", file=out)
     print(comparison_table(rows), file=out)
-    records = [asdict(r) for r in rows]
+    print_fidelity_warnings(evals, out=out)
+    records = [asdict(r) | {"warnings": w} for r, w in zip(rows, fidelity_records(evals))]
     if task_names:  # accuracy (± standard error) of every model on lm-eval tasks
         scores = lm_tasks.score_paths(paths, task_names, manager, max_length, args.task_limit, args.dtype, args.device)
         lm_tasks.print_task_scores(args, paths, scores, max_length, out)

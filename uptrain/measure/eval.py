@@ -8,6 +8,8 @@ than `max_length` is scored in windows that start every `stride` tokens, each wi
 only the tokens no earlier window scored (the Hugging Face perplexity recipe), so every token
 but the first of a document is scored exactly once, with up to `max_length - 1` tokens of context.
 The reported loss is the token-weighted mean over all scored tokens; perplexity = exp(loss).
+With `--reference SOURCE`, also each model's fidelity to the source over the same tokens (KL, top-1 and
+greedy agreement: uptrain.measure.fidelity).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TextIO
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,12 @@ from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only:
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.measure.models import LOAD_DTYPES, load_model, require_model_folder  # noqa: F401 (public here too)
+
+# the window rule and the one window scoring live beside the fidelity to a source, which needs them and
+# imports nothing from here; importable from here as before
+from uptrain.measure.fidelity import (  # noqa: F401 (scored_window, window_spans: public here too)
+    FIDELITY_COLUMNS, GreedySettings, Reference, add_fidelity_args, check_vocabulary, fidelity_cells, fidelity_note,
+    fidelity_warnings, greedy_from_args, greedy_prompts, scored_window, window_spans)
 
 
 # what --dtype accepts when loading a model: the shared table plus "auto" (as saved)
@@ -41,32 +50,24 @@ class EvalResult:
     tokens: int  # number of scored tokens
     documents: int
     threads: int = 1  # torch CPU threads it ran with
+    # against a reference (--reference; uptrain.measure.fidelity), over the same scored tokens; else None
+    reference: str | None = None  # the reference (source) model folder
+    source_loss: float | None = None  # the reference's loss on the same tokens
+    vocab_size: int | None = None  # the shared vocabulary (chance loss = ln vocab_size)
+    kl_to_source: float | None = None  # mean per-token KL(source || model), nats
+    top1_agreement: float | None = None  # share of tokens with the source's argmax
+    greedy_agreement: float | None = None  # share of greedy-continuation tokens equal to the source's
+    greedy_prefix: float | None = None  # mean common-prefix length of the greedy continuations, tokens
+    kl_doc_std: float | None = None  # spread of per-document mean KL (standard deviation)
+    kl_doc_max: float | None = None  # the largest per-document mean KL
+    loss_vs_source: float | None = None  # loss - source_loss, nats/token
+    loss_vs_source_se: float | None = None  # its standard error, clustered by document
+    greedy_prompts: int | None = None  # prompts the greedy agreement was measured on
+    prompt_tokens: int | None = None
+    continuation_tokens: int | None = None
 
 
 # ---------------------------------------------------------------- pure computation
-
-
-def window_spans(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
-    """Windows `(begin, end, first_scored)` over a sequence of `n_tokens` tokens.
-
-    Window tokens are `[begin, end)`; the tokens scored in it are `[first_scored, end)`, each
-    predicted from the window tokens before it. Over all windows, positions 1 .. n_tokens-1
-    are scored exactly once (position 0 has no context).
-    """
-    if max_length < 2 or not 1 <= stride < max_length:
-        raise UsageError(
-            f"need max_length >= 2 and 1 <= stride < max_length, so that windows overlap and every "
-            f"token is scored (got max_length {max_length}, stride {stride})"
-        )
-    spans: list[tuple[int, int, int]] = []
-    prev_end = 0
-    for begin in range(0, n_tokens if n_tokens > 1 else 0, stride):
-        end = min(begin + max_length, n_tokens)
-        spans.append((begin, end, max(prev_end, begin + 1)))  # stride < max_length: begin < prev_end
-        prev_end = end
-        if end == n_tokens:
-            break
-    return spans
 
 
 @torch.no_grad()
@@ -78,13 +79,8 @@ def sequence_nll(model: torch.nn.Module, input_ids: torch.Tensor, max_length: in
     """
     ids = input_ids.reshape(-1).to(model.device)
     total, count = 0.0, 0
-    for begin, end, first in window_spans(ids.numel(), max_length, stride):
-        window = ids[begin:end].unsqueeze(0)  # [1, w]
-        logits = model(input_ids=window, use_cache=False).logits[0]  # [w, vocab]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 -> fp32
-        # logits at window position i predict token i + 1; score targets [first, end).
-        pred = logits[first - begin - 1 : end - begin - 1]  # [n_scored, vocab]
-        targets = ids[first:end]  # [n_scored]
+    for span in window_spans(ids.numel(), max_length, stride):
+        pred, targets = scored_window(model, ids, span)  # [n_scored, vocab], [n_scored]
         total += F.cross_entropy(pred, targets, reduction="sum").item()
         count += targets.numel()
     return total, count
@@ -140,23 +136,95 @@ def read_cli_documents(args: argparse.Namespace) -> list[str]:
                                           "local files (--data FILE...)")) from None
 
 
+def _check_context(model: torch.nn.Module, path: str, max_length: int) -> None:
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit and max_length > limit:
+        raise UsageError(f"{path}: --max-length {max_length} exceeds its max_position_embeddings {limit}")
+
+
+def load_reference(reference: str, paths: Sequence[str], texts: Sequence[str], max_length: int,
+                   dtype: str = "auto", device: str = "cpu", greedy: GreedySettings | None = None) -> Reference:
+    """The source, loaded once after checking every model shares its vocabulary, with its greedy
+    continuations; `greedy` None: the defaults shrunk to fit the window, else exactly these (refused
+    when prompt + continuation exceed `max_length`)."""
+    settings = (greedy or GreedySettings()).within(max_length, explicit=greedy is not None)
+    check_vocabulary(paths, reference, texts[0] if texts else None)
+    print(f"reference {reference}: fidelity over the scored tokens; greedy agreement over up to {settings.prompts} "
+          f"prompts of {settings.prompt_tokens} tokens, each continued {settings.continuation_tokens} tokens",
+          file=sys.stderr, flush=True)
+    model, tokenizer = load_model(reference, dtype, device)
+    _check_context(model, reference, max_length)
+    prompts = greedy_prompts(tokenize_texts(tokenizer, texts), settings)  # [B, P]
+    return Reference(reference, model, tokenizer, prompts, settings)
+
+
+def evaluate_against(model: torch.nn.Module, reference: Reference, token_sequences: Iterable[torch.Tensor],
+                     max_length: int, stride: int, name: str = "model") -> EvalResult:
+    """`evaluate`'s result, its loss from the same logits (bitwise the same number), with the
+    fidelity to `reference` filled in (uptrain.measure.fidelity)."""
+    docs, fid = reference.score(model, token_sequences, max_length, stride)
+    total, count = 0.0, 0
+    for d in docs:  # summed in evaluate's order
+        total, count = total + d.nll, count + d.tokens
+    loss = total / count
+    return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=len(docs),
+                      threads=torch.get_num_threads(), reference=reference.path,
+                      vocab_size=reference.model.config.get_text_config().vocab_size, **fid.result_fields())
+
+
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
-                   dtype: str = "auto", device: str = "cpu") -> list[EvalResult]:
+                   dtype: str = "auto", device: str = "cpu", reference: str | None = None,
+                   greedy: GreedySettings | None = None) -> list[EvalResult]:
     """Evaluate each model folder on `texts`, each with its own tokenizer; a line on stderr as each
-    model starts and ends (scoring a large text takes minutes: never silent that long)."""
+    model starts and ends (scoring a large text takes minutes: never silent that long).
+
+    `reference`: a source folder every model is also measured against (uptrain.measure.fidelity),
+    loaded once; a path that is the reference's uses the same model object (KL exactly 0). `greedy`:
+    the greedy-agreement settings (None: the defaults, 16 prompts of 32 tokens, 32 continued, shrunk
+    to fit the window). The loss is the same number with and without a reference.
+    """
     import time
 
+    ref = None if reference is None else load_reference(reference, paths, texts, max_length, dtype, device, greedy)
     results = []
     for k, path in enumerate(paths, 1):
         began = time.monotonic()
         print(f"scoring model {k}/{len(paths)}: {path} on {len(texts):,} documents ...", file=sys.stderr, flush=True)
-        model, tokenizer = load_model(path, dtype, device)
-        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        if limit and max_length > limit:
-            raise UsageError(f"{path}: --max-length {max_length} exceeds its max_position_embeddings {limit}")
-        results.append(evaluate(model, tokenize_texts(tokenizer, texts), max_length, stride, name=path))
-        print(f"  done in {time.monotonic() - began:.1f} s: loss {results[-1].loss:.4f}", file=sys.stderr, flush=True)
+        same = ref is not None and ref.is_path(path)
+        model, tokenizer = (ref.model, ref.tokenizer) if same else load_model(path, dtype, device)
+        _check_context(model, path, max_length)
+        docs = tokenize_texts(tokenizer, texts)
+        results.append(evaluate(model, docs, max_length, stride, name=path) if ref is None else
+                       evaluate_against(model, ref, docs, max_length, stride, name=path))
+        kl = "" if ref is None else f", KL to source {results[-1].kl_to_source:.4f}"
+        print(f"  done in {time.monotonic() - began:.1f} s: loss {results[-1].loss:.4f}{kl}", file=sys.stderr,
+              flush=True)
     return results
+
+
+def print_fidelity_warnings(results: Sequence[EvalResult], source_result: EvalResult | None = None,
+                            vocab_size: int | None = None, out: TextIO | None = None) -> list[str]:
+    """Print (to `out`, default stdout) and return `fidelity_warnings` for results scored against a
+    reference: a source near chance on the text, a model beating its source beyond the noise. The
+    source's loss is `source_result.loss`, else the results' `source_loss`; the vocabulary theirs
+    unless given. Results without fidelity fields are left out (none: no warnings)."""
+    scored = [r for r in results if r.loss_vs_source is not None]
+    if not scored:
+        return []
+    source_loss = source_result.loss if source_result is not None else scored[0].source_loss
+    lines = fidelity_warnings(source_loss, vocab_size or scored[0].vocab_size,
+                              [(r.model, r.loss, r.loss_vs_source, r.loss_vs_source_se) for r in scored])
+    for line in lines:
+        print(line, file=out or sys.stdout)
+    return lines
+
+
+def fidelity_records(results: Sequence[EvalResult]) -> list[list[str] | None]:
+    """Per result, the warnings about it (the source near chance, it beating its source): the JSON's
+    `warnings` list of each record; None for a result not scored against a reference."""
+    return [None if r.loss_vs_source is None else
+            fidelity_warnings(r.source_loss, r.vocab_size, [(r.model, r.loss, r.loss_vs_source, r.loss_vs_source_se)])
+            for r in results]
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -204,10 +272,11 @@ def model_windows(model_paths: Sequence[str], max_length: int | None = None,
 
 @exit_on_usage_error
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: evaluate each MODEL on the data and print loss and perplexity."""
+    """CLI: evaluate each MODEL on the data and print loss and perplexity (and fidelity, --reference)."""
     parser = ArgParser(prog=prog_name("uptrain.eval"), description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", metavar="MODEL", help="local model folders")
     add_data_args(parser)
+    add_fidelity_args(parser)
     parser.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
@@ -218,18 +287,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_threads(args.threads)
     task_names, manager = lm_tasks.tasks_from_args(args)  # refuse bad --tasks before any scoring
-    max_length, stride = window_args(args, args.models)
+    if args.reference is not None:
+        require_model_folder(args.reference)
+    max_length, stride = window_args(args, [*args.models, *([args.reference] if args.reference else [])])
+    greedy = greedy_from_args(args, max_length, args.reference)
     with_data = not task_names or args.data or args.dataset  # with --tasks, perplexity only where data is named
+    if args.reference is not None and not with_data:
+        raise UsageError("--reference measures fidelity on the scoring text: give --data FILE... or --dataset NAME")
     texts = read_cli_documents(args) if with_data else None
     announce_threads()
     out = sys.stderr if args.json == "-" else sys.stdout
     records: list[dict] = [{"model": m} for m in args.models]
     if texts is not None:
-        results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device)
-        rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", r.tokens, r.documents) for r in results]
-        print(f"max_length {max_length}, stride {stride}", file=out)
-        print(format_table(["model", "loss (nats/token)", "perplexity", "tokens", "documents"], rows), file=out)
+        results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device,
+                                 args.reference, greedy)
+        _print_results(results, max_length, stride, out)
         records = [asdict(r) | {"max_length": max_length, "stride": stride} for r in results]
+        if args.reference is not None:  # per record: the warnings about it (the source near chance, it beating it)
+            records = [r | {"warnings": w} for r, w in zip(records, fidelity_records(results))]
     if task_names:
         scores = lm_tasks.score_paths(args.models, task_names, manager, max_length, args.task_limit,
                                       args.dtype, args.device)
@@ -238,6 +313,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         write_json(records, args.json)
     return 0
+
+
+def _print_results(results: Sequence[EvalResult], max_length: int, stride: int, out: TextIO) -> None:
+    """The loss table; with a reference, the fidelity columns beside the loss, what they are, the warnings."""
+    note = fidelity_note(results)
+    extra = FIDELITY_COLUMNS if note else []
+    rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", *(fidelity_cells(r) if note else []), r.tokens,
+             r.documents) for r in results]
+    print(f"max_length {max_length}, stride {stride}", file=out)
+    print(format_table(["model", "loss (nats/token)", "perplexity", *extra, "tokens", "documents"], rows), file=out)
+    if note:
+        print(note, file=out)
+        print_fidelity_warnings(results, out=out)
 
 
 if __name__ == "__main__":

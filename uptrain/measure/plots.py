@@ -222,35 +222,49 @@ def plot_kv_bytes(bench_rows: Sequence[Mapping], out: str | Path) -> Figure:
     return _save(fig, out)
 
 
-def plot_sweep(points: Sequence[Mapping], out: str | Path) -> Figure:
-    """The K/V trade curve (uptrain.sweep): held-out loss against KV-cache bytes per token, one line
-    per method through its counts (each point labelled with its K/V heads), the source's loss as the
-    reference line. `points`: sweep.json's records, the source first. Records with
-    `loss_after_uptraining` (`--uptrain-tokens`) add a dashed second curve per method, same colour."""
+SWEEP_METRICS = {"loss": "held-out loss (nats/token)",  # what plot_sweep can draw: the y axis's label
+                 "kl_to_source": "KL to the source (nats/token, held-out text)"}
+
+
+def _after(p: Mapping, metric: str):
+    """The point's `metric` after uptraining (None: not uptrained, or not measured)."""
+    if metric == "loss":
+        return p.get("loss_after_uptraining")
+    return (p.get("fidelity_after_uptraining") or {}).get(metric)
+
+
+def plot_sweep(points: Sequence[Mapping], out: str | Path, metric: str = "loss") -> Figure:
+    """The K/V trade curve (uptrain.sweep): held-out loss (or `metric` "kl_to_source": the KL to the
+    source, 0 for the source itself) against KV-cache bytes per token, one line per method through
+    its counts (each point labelled with its K/V heads), the source as the reference line. `points`:
+    sweep.json's records, the source first. Uptrained records (`--uptrain-tokens`) add a dashed
+    second curve per method, same colour."""
+    ylabel = SWEEP_METRICS[metric]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    source, rest = points[0], points[1:]
+    source, rest = points[0], [p for p in points[1:] if p.get(metric) is not None]
     by_method: dict[str, list[Mapping]] = defaultdict(list)
     for p in rest:
         by_method[p["method"]].append(p)
     for method, series in by_method.items():
         series = sorted(series, key=lambda p: p["kv_bytes_per_token"])
-        (line,) = ax.plot([p["kv_bytes_per_token"] for p in series], [p["loss"] for p in series], marker="o",
+        (line,) = ax.plot([p["kv_bytes_per_token"] for p in series], [p[metric] for p in series], marker="o",
                           label=method)
         for p in series:
-            ax.annotate(f"{p['kv_heads']}", (p["kv_bytes_per_token"], p["loss"]), textcoords="offset points",
+            ax.annotate(f"{p['kv_heads']}", (p["kv_bytes_per_token"], p[metric]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
-        after = [p for p in series if p.get("loss_after_uptraining") is not None]
+        after = [p for p in series if _after(p, metric) is not None]
         if after:
             tokens = sorted({p.get("uptrain_tokens") for p in after if p.get("uptrain_tokens")})
-            ax.plot([p["kv_bytes_per_token"] for p in after], [p["loss_after_uptraining"] for p in after],
+            ax.plot([p["kv_bytes_per_token"] for p in after], [_after(p, metric) for p in after],
                     marker="s", linestyle="--", color=line.get_color(),
                     label=f"{method}, uptrained {' / '.join(f'{t:,}' for t in tokens)} tokens")
-    ax.axhline(source["loss"], color="grey", linestyle="--", label=f"source ({source['kv_heads']} K/V heads)")
-    ax.scatter([source["kv_bytes_per_token"]], [source["loss"]], color="grey", zorder=3)
+    level = source.get(metric) or 0.0  # the source against itself: KL 0
+    ax.axhline(level, color="grey", linestyle="--", label=f"source ({source['kv_heads']} K/V heads)")
+    ax.scatter([source["kv_bytes_per_token"]], [level], color="grey", zorder=3)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(binary_size))
-    ax.set(xlabel="KV cache per token (log scale; labels: K/V heads)", ylabel="held-out loss (nats/token)",
-           title="Quality against KV cache")
+    title = "Quality against KV cache" if metric == "loss" else "Fidelity to the source against KV cache"
+    ax.set(xlabel="KV cache per token (log scale; labels: K/V heads)", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out)

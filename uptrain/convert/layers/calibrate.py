@@ -8,9 +8,11 @@ The model runs one decoder layer at a time (`layer_stream.LayerStream`, on `--de
 the conversion has asked: memory is one layer in float32 plus the activations. A model that cannot
 be split so (the record says why) is loaded whole instead. Each layer is a `layer.Layer`, which owns
 what it recorded until it is freed; several conversions (a sweep's K/V counts, `several.py`) can
-read one stream as its users, each layer run once for all. Text is read by the trainer's and eval's
-reader (`uptrain.data.read_documents`), so a file means the same documents everywhere: a .txt file
-is cut by `text_unit` (default `paragraph`: documents separated by a blank line; `line`; `file`),
+read one stream as its users, each through its own handle (`Calibration.user(i)`), each layer run
+once for all (who may read which layer when, when a layer is freed, what a user that falls behind
+gets, the one-user restart rule: `schedule.py`). Text is read by the trainer's and eval's reader
+(`uptrain.data.read_documents`), so a file means the same documents everywhere: a .txt file is cut
+by `text_unit` (default `paragraph`: documents separated by a blank line; `line`; `file`),
 .jsonl/.json/.parquet give each record's "text" field.
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ import torch
 
 from uptrain import interrupt
 from uptrain.convert.layers.layer import KEEP, Layer, LayerGone
-from uptrain.convert.layers.layer_stream import (PROJECTIONS, LayerStream, StreamUnsupported, activation_dtype,
-                                                 available_memory)
-from uptrain.convert.math.capture import Moments, summing_moments
+from uptrain.convert.layers.layer_stream import (LayerStream, StreamUnsupported, activation_dtype, available_memory,
+                                                 torch_threads, whole_model_moments)
+from uptrain.convert.layers.schedule import StreamSchedule, StreamUser, stream_keep
 from uptrain.convert.io.source import open_checkpoint, read_config
 from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
@@ -94,25 +95,6 @@ def check_device(device: str) -> None:
                          f"this torch has") from None
 
 
-@torch.no_grad()
-def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> dict[str, torch.Tensor]:
-    """E[x̃ x̃ᵀ] per attention prefix from hooks on q_proj/qkv_proj of a whole loaded model.
-
-    The fallback where a model cannot be streamed layer by layer. Returns {prefix: [D+1, D+1] float64}.
-    """
-    sums = {name[: -len(leaf)]: (module, Moments()) for name, module in model.named_modules()
-            for leaf in PROJECTIONS if name.endswith("." + leaf)}
-    if not sums:
-        raise UsageError("calibration found no q_proj/qkv_proj modules in the model")
-    with ExitStack() as hooks:
-        for module, moments in sums.values():
-            hooks.enter_context(summing_moments(module, moments))
-        for seq in sequences:
-            interrupt.check()
-            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
-    return {prefix: moments.mean() for prefix, (_, moments) in sums.items()}
-
-
 @dataclass
 class Calibration:
     """Attention-input moments (and, for refinement, recordings) of a model, run layer by layer as asked.
@@ -120,9 +102,11 @@ class Calibration:
     activation_limit: bytes the float32 activations (tokens x hidden x 4) may take before they are
     kept in bfloat16; None: half the memory available when the calibration starts.
     keep: what each layer keeps after its run (`layer.KEEP`): 'moments' for the fit, 'attention'
-    for refinement on the original inputs, 'layer' for refinement on the converted ones.
+    for refinement on the original inputs, 'layer' for refinement on the converted ones; the
+    default of the users' handles, which may each set their own (`schedule.StreamUser`).
     users: how many conversions read this one stream at once (a sweep's K/V counts, each in its own
-    thread, user 0..users-1): a layer is freed only once every user has moved past it.
+    thread, user 0..users-1; `share`): `schedule.py` is the contract (who reads which layer when,
+    when a layer is freed, the one-user restart rule).
     """
 
     path: Path
@@ -133,15 +117,14 @@ class Calibration:
     activation_limit: int | None = None
     keep: str = "moments"
     users: int = 1
-    _layers: dict[int, Layer] = field(default_factory=dict, repr=False)  # run, moments not yet taken by all
-    _at: dict[int, float] = field(default_factory=dict, repr=False)  # user -> the layer it asked for last
-    _passed: set[int] = field(default_factory=set, repr=False)  # layers every user has taken
     _stream: LayerStream | None = field(default=None, repr=False)
     _started: bool = field(default=False, repr=False)
-    _failed: str = field(default="", repr=False)  # a user failed: the others stop waiting
+    _threads: int = field(default=0, repr=False)  # torch's threads when the pass started: the runs' default
     _model_dir: Path | None = field(default=None, repr=False)
     _windows: tuple | None = field(default=None, repr=False)  # calibration_sequences' answer, once
     _turn: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _handles: dict[int, StreamUser] = field(default_factory=dict, repr=False)
+    _schedule: StreamSchedule | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.tokens <= 0:
@@ -154,6 +137,79 @@ class Calibration:
         self.record.update(file=str(self.path), text_unit=self.text_unit, tokens_requested=self.tokens,
                            device=self.device, passes=0)
 
+    # ------------------------------------------------------------------ its users
+
+    @property
+    def schedule(self) -> StreamSchedule:
+        """The stream's schedule (`schedule.StreamSchedule`) for `users` users, fixed once one asked or left."""
+        with self._turn:
+            if self._schedule is None or (self._schedule.users != self.users and not self._schedule.touched):
+                self._schedule = StreamSchedule(self.users, self._turn)
+            elif self._schedule.users != self.users:
+                raise ValueError(f"the calibration stream has {self._schedule.users} users already; "
+                                 f"set its users (share) before any of them reads it")
+            return self._schedule
+
+    def share(self, users: int) -> list[StreamUser]:
+        """The handles of `users` conversions reading this one stream (before it starts; ValueError after)."""
+        with self._turn:
+            if self._started or self.record.get("passes") or (self._schedule is not None and self._schedule.touched):
+                raise ValueError("a calibration stream is shared before it starts")
+            self.users = users
+            return [self.user(u) for u in range(users)]
+
+    def user(self, user: int) -> StreamUser:
+        """User `user`'s handle (`schedule.StreamUser`: its own keep and threads), the same one each time."""
+        if not 0 <= user < self.users:
+            raise ValueError(f"user {user} is not one of the stream's {self.users} users")
+        with self._turn:
+            return self._handles.setdefault(user, StreamUser(self, user))
+
+    def sigma(self, layer: str, user: int = 0) -> torch.Tensor:
+        """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.'),
+        taken by `user` once (at width 8192 it is 512 MiB; `user(user).sigma`, rules in `schedule.py`)."""
+        return self.user(user).sigma(layer)
+
+    def layer(self, layer: str, user: int = 0) -> Layer:
+        """The `Layer` of attention prefix `layer` (either prefix, see `_index`), run by the stream up to
+        it; `user` is then done with every layer before it (`user(user).layer`, rules in `schedule.py`)."""
+        return self.user(user).layer(layer)
+
+    def leave(self, user: int, failed: str = "") -> None:
+        """`user` is done with every layer (its conversion ended); `failed`: it ended with this error,
+        and the users still waiting for the stream stop with it."""
+        self.schedule.depart(user, failed)
+
+    def request(self, user: int, layer: str, moments: bool) -> Any:
+        """What a `StreamUser` asks: the `Layer` of `layer`, or (`moments`) its moments taken by `user`."""
+        return self.schedule.request(user, layer, self, Layer.moments if moments else None)
+
+    # ------------------------------------------------------------------ the runner the schedule drives
+
+    def locate(self, layer: str) -> int:
+        if not self._started:
+            self._start()
+        return self._index(layer)
+
+    def run_next(self, user: int, index: int) -> Layer:
+        """Run the next layer for a request of `user`, with that user's torch threads (restored after)."""
+        start = time.perf_counter()
+        with torch_threads(self.user(user).threads or self._threads):
+            layer = self._stream.advance()
+        if layer.index != index:
+            raise RuntimeError(f"the stream ran layer {layer.index}, not the next, {index}")
+        self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
+        self.record["layers_run"] = self._stream.position
+        return layer
+
+    def restart(self) -> None:
+        """Forget the run so far: the next request opens the stream again from the first layer."""
+        if self._stream is not None:
+            self._stream.release()
+        self._stream, self._started = None, False
+
+    # ------------------------------------------------------------------ what every user shares
+
     def bind(self, model_dir: Path) -> "Calibration":
         model_dir = Path(model_dir)
         if self._model_dir is not None and self._model_dir != model_dir:
@@ -162,9 +218,10 @@ class Calibration:
         return self
 
     def _limit(self) -> int:
-        if self.activation_limit is None:
-            self.activation_limit = available_memory() // 2
-        return self.activation_limit
+        with self._turn:  # the users of a sweep describe it at once: measured once
+            if self.activation_limit is None:
+                self.activation_limit = available_memory() // 2
+            return self.activation_limit
 
     def describe(self, source_params: int) -> tuple[str, int]:
         """The plan's note on this calibration and the bytes it holds at most (estimated from config.json)."""
@@ -191,88 +248,6 @@ class Calibration:
         if self._stream is not None and layer in self._stream.prefixes:
             return self._stream.prefixes.index(layer)
         return layer_index(layer)
-
-    def sigma(self, layer: str, user: int = 0) -> torch.Tensor:
-        """E[x̃ x̃ᵀ] of the attention input of `layer` (a tensor-name prefix like 'model.layers.0.self_attn.'),
-        taken by `user` (once: at width 8192 it is 512 MiB). With one user, a layer whose moments it
-        took already (a second conversion, as the method bake-off does) runs the stream again."""
-        with self._turn:
-            index = self._started_index(layer)
-            found = self._layers.get(index)
-            if self.users == 1 and (index in self._passed or (found is not None and found.moments_left == 0)):
-                self._restart()
-                index = self._index(layer)
-            return self._layer(index, user, layer).moments()
-
-    def layer(self, layer: str, user: int = 0) -> Layer:
-        """The `Layer` of attention prefix `layer` (either prefix, see `_index`), run by the stream.
-
-        Runs the stream up to it; layers passed over keep their moments until each user took them.
-        Asking for a layer means `user` is done with every layer before it: the stream frees the layer
-        run last once every user has asked for a later one (or has `leave`n). Blocks while other
-        users still hold the layer run last.
-        """
-        with self._turn:
-            return self._layer(self._started_index(layer), user, layer)
-
-    def _started_index(self, layer: str) -> int:
-        if not self._started:
-            self._start()
-        return self._index(layer)
-
-    def _layer(self, index: int, user: int, layer: str) -> Layer:
-        self._at[user] = index
-        self._turn.notify_all()
-        while True:
-            if self._failed:
-                raise RuntimeError(f"the calibration stream stopped: {self._failed}")
-            if index in self._layers:
-                return self._layers[index]
-            stream = self._stream
-            if stream is not None and index < stream.position:  # run, then freed: not a missing module
-                raise LayerGone(f"layer {index} ({layer.rstrip('.')}) is gone: the calibration stream had moved on "
-                                f"to layer {stream.position} when user {user} asked for it (a shared stream frees "
-                                f"a layer once every user has asked for a later one or left)")
-            if stream is None or stream.position >= len(stream.layers):
-                raise UsageError(f"calibration found no attention module {layer.rstrip('.')} in the loaded model")
-            if self._can_advance():
-                self._advance()
-            else:
-                self._turn.wait()
-
-    def _can_advance(self) -> bool:
-        current = self._stream.current
-        return current is None or all(self._at.get(u, -1) > current.index for u in range(self.users))
-
-    def _advance(self) -> None:
-        """Run the next layer; forget the layers that are freed and whose moments every user has."""
-        start = time.perf_counter()
-        layer = self._stream.advance()
-        for index in [i for i, done in self._layers.items() if done.state == "freed" and done.moments_left == 0]:
-            del self._layers[index]
-            self._passed.add(index)
-        self._layers[layer.index] = layer
-        self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
-        self.record["layers_run"] = self._stream.position
-
-    def leave(self, user: int, failed: str = "") -> None:
-        """`user` is done with every layer (its conversion ended); `failed`: it ended with this error,
-        and the users still waiting for the stream stop with it."""
-        with self._turn:
-            self._at[user] = float("inf")
-            if failed and self.users > 1:
-                self._failed = failed
-            self._turn.notify_all()
-
-    def _restart(self) -> None:
-        """Forget the run so far: the stream runs again from the first layer."""
-        if self._stream is not None:
-            self._stream.release()
-        self._stream, self._started = None, False
-        self._layers.clear()
-        self._passed.clear()
-        self._at.clear()
-        self._start()
 
     def first_inputs(self) -> list[torch.Tensor]:
         """A copy of layer 0's inputs, where a conversion refining on its own inputs starts them."""
@@ -316,19 +291,23 @@ class Calibration:
 
     @torch.no_grad()
     def _start(self) -> None:
-        """Tokenize, then open the layer stream (or, where it cannot stream, run the whole model)."""
+        """Tokenize, then open the layer stream (or, where it cannot stream, run the whole model),
+        keeping of each layer what the users need between them (`schedule.stream_keep`)."""
         from transformers import AutoConfig
 
         interrupt.pause("calibrate")
         start = time.perf_counter()
-        self._started = True
+        schedule = self.schedule
+        keep = stream_keep([self.user(u).keep for u in range(self.users)])
+        self._started, self._threads = True, torch.get_num_threads()
         self.record["passes"] += 1
         sequences, _, used, docs = self.windows()
         config = AutoConfig.from_pretrained(self._model_dir)
         self.record.update(tokens_used=used, documents=docs)
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,
-                                       activation_limit=self._limit(), keep=self.keep, users=self.users)
+                                       activation_limit=self._limit(), keep=keep, users=self.users)
+            schedule.opened(len(self._stream.layers))
             self.record.update(mode="layer by layer",
                                activations=str(self._stream.activation_dtype).removeprefix("torch."))
         except StreamUnsupported as why:
@@ -339,6 +318,6 @@ class Calibration:
             moments = whole_model_moments(model, sequences, self.device)
             del model
             reason = f"the model was run whole: {why}"
-            self._layers = {layer_index(k): Layer.moments_only(layer_index(k), k, v, self.users, reason)
-                            for k, v in moments.items()}
+            schedule.hand_out({layer_index(k): Layer.moments_only(layer_index(k), k, v, self.users, reason)
+                               for k, v in moments.items()})
         self.record["seconds"] = round(self.record.get("seconds", 0) + time.perf_counter() - start, 2)

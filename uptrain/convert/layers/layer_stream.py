@@ -19,6 +19,8 @@ moments kept.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from torch import nn
 from uptrain import interrupt
 from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.layer import Layer, LayerGone
+from uptrain.convert.math.capture import Moments, summing_moments
+from uptrain.errors import UsageError
 
 PROJECTIONS = ("q_proj", "qkv_proj")  # the attention's input projection: what it sees is the attention input
 
@@ -49,6 +53,20 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block (process-wide), restored after; nothing
+    set where it is `n` already (a call costs a thread-pool resize)."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
 
 
 def activation_dtype(tokens: int, hidden: int, limit: int) -> torch.dtype:
@@ -258,3 +276,22 @@ class LayerStream:
         layer.run(self.activations, self.activation_dtype)
         self.current = layer
         return layer
+
+
+@torch.no_grad()
+def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> dict[str, torch.Tensor]:
+    """E[x̃ x̃ᵀ] per attention prefix from hooks on q_proj/qkv_proj of a whole loaded model.
+
+    The fallback where a model cannot be streamed layer by layer. Returns {prefix: [D+1, D+1] float64}.
+    """
+    sums = {name[: -len(leaf)]: (module, Moments()) for name, module in model.named_modules()
+            for leaf in PROJECTIONS if name.endswith("." + leaf)}
+    if not sums:
+        raise UsageError("calibration found no q_proj/qkv_proj modules in the model")
+    with ExitStack() as hooks:
+        for module, moments in sums.values():
+            hooks.enter_context(summing_moments(module, moments))
+        for seq in sequences:
+            interrupt.check()
+            model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+    return {prefix: moments.mean() for prefix, (_, moments) in sums.items()}
