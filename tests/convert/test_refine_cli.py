@@ -105,18 +105,21 @@ def _tiny(kind: str, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "phi"])
-def test_fit_refused_families_refine_from_mean(kind, tmp_path, capsys, one_torch_thread):
-    """Key norms (Qwen3) and partial rotary (Phi): the fit refuses them, so --refine starts from
-    mean (the plan says so), lowers every layer's error, and the result loads with no weight report."""
+def test_key_norm_and_partial_rotary_refine_from_their_fit_start(kind, tmp_path, capsys, one_torch_thread):
+    """Key norms (Qwen3) and partial rotary (Phi): the fit refused them before issue 43 and --refine
+    started from mean; now the fit gives them a start of their own (the plan's `fit start:` note),
+    --refine starts from it and ends no worse on any layer (20 steps on 600 tokens often cannot beat
+    that start: the held-out rule keeps it), and the result loads with no weight report."""
     src = _tiny(kind, tmp_path)
     out = tmp_path / "out"
     assert main([str(src), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens", "600",
                  "--refine", "--refine-steps", "20", "--out", str(out)]) == 0
-    assert "refine starts from mean pooling" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fit start: " in printed and "refine starts from mean pooling" not in printed
     record = _record(out)
-    assert record["refinement"]["start"] == "mean" and record["method"] == "mean"
+    assert record["refinement"]["start"] == "fit" and record["method"] == "fit"
     for x in record["refinement"]["layers"]:
-        assert x["error_after"] < x["error_before"], x
+        assert x["error_after"] <= x["error_before"], x
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert model.config.num_key_value_heads == 2
@@ -135,10 +138,12 @@ def _kv_norm_model(kind: str, folder: Path) -> Path:
 def test_key_norms_that_carry_kv_heads_are_refined_with_their_layer(kind, tmp_path, one_torch_thread):
     """StableLM (one LayerNorm per K/V head), Cohere (per-head norm weight) and OLMo-2 (one norm
     over the whole K projection): the pooled norm starts the refinement, is trained with the
-    projections and written back; every layer's error goes down and the result loads cleanly."""
+    projections and written back; every layer's error goes down and the result loads cleanly. (From
+    `--method mean`: the fit's own start for these norms, issue 43, is often already past what 20
+    steps on 600 tokens reach: tests/convert/test_fit_families.py refines from it.)"""
     src = _kv_norm_model(kind, tmp_path)
     common = [str(src), "--kv-heads", "2", "--calib", str(TRAIN_TXT), "--calib-tokens", "600"]
-    assert main([*common, "--method", "fit", "--refine", "--refine-steps", "20", "--out", str(tmp_path / "r")]) == 0
+    assert main([*common, "--method", "mean", "--refine", "--refine-steps", "20", "--out", str(tmp_path / "r")]) == 0
     assert main([*common[:3], "--method", "mean", "--out", str(tmp_path / "mean")]) == 0
     layers = _record(tmp_path / "r")["refinement"]["layers"]
     assert len(layers) == 2 and all(x["error_after"] < x["error_before"] for x in layers), layers

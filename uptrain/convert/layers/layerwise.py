@@ -10,11 +10,12 @@ stream holds layer L's original module and inputs when layer L is refined.
 
 Which families the fit and the grouping can treat exactly is decided by `check_layerwise` from the
 config: a one-line UsageError names what works instead (`--method mean`, `--grouping
-contiguous`); with `--refine` a family the fit refuses starts from `mean`.
+contiguous`). What the fit's start follows (partial rotary, a key norm, clip_qkv) is `fit_start.py`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,7 +26,9 @@ import torch
 from uptrain.convert.registry.architectures import Family
 from uptrain.convert.registry.choices import (CALIB_HAS_NO_EFFECT, GROUPINGS, SIMILAR_NOT_RANDOM, Grouping,
                                              calibration_applies)
-from uptrain.convert.math.fit import fit_keys, fit_values, rotary_planes
+from uptrain.convert.layers.fit_start import KeyRule, clip_note, fit_refusal, fit_start, key_rule, rotary_dims
+from uptrain.convert.math.fit import fit_keys_partial, fit_values, rotary_planes
+from uptrain.convert.math.normfit import merge_keys_under_norm, output_rms
 from uptrain.convert.math.grouping import group_permutation, head_similarity
 from uptrain.convert.math.heads import merge_qkv, repeat_heads, split_qkv
 from uptrain.errors import UsageError
@@ -45,13 +48,14 @@ class Layerwise:
     refiner: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     # a line per layer converted (`progress.layer_progress`); with a refiner, the refiner's line
     on_layer: Callable[[str], None] | None = None
-
-
-def _partial_rotary(config: dict[str, Any], head_dim: int) -> bool:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    factor = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) or 1.0
-    dims = [config.get(k) for k in ("rotary_dim", "rotary_ndims") if config.get(k)]
-    return float(factor) < 1.0 or any(int(x) < head_dim for x in dims)
+    # what the fit's start follows (`layerwise_settings`, from the family and the config)
+    rotary_dims: int | None = None  # RoPE covers the first rotary_dims rows of a head; None: all
+    key_norm: str | None = None  # the fit merges keys behind this key norm (`KeyNorm`), None: no norm
+    norm_centred: bool = False  # that norm is a LayerNorm (centres first), else an RMSNorm
+    clip_qkv: float | None = None  # q/k/v outputs clamped to [-c, c]
+    start_note: str | None = None  # the plan's line on the fit's start (`fit_start`)
+    notes: list[str] | None = None  # the plan's notes (`describe_layerwise`): the clamp's activity is added
+    clip_seen: dict[str, tuple[float, float]] = field(default_factory=dict)  # layer -> largest RMS / c (source, start)
 
 
 def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
@@ -71,21 +75,6 @@ def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, metho
     why = fit_refusal(family, config, head_dim) if method == "fit" else None
     if why:
         raise UsageError(f"--method {why}; use --method mean")
-
-
-def fit_refusal(family: Family, config: dict[str, Any], head_dim: int) -> str | None:
-    """Why the closed-form fit cannot convert this config exactly ("fit cannot convert 'phi' exactly:
-    ..."), or None where it can."""
-    why = ""
-    if family.kv_between_queries:
-        why = "its fused query_key_value layout interleaves K/V heads with query heads"
-    elif family.key_norm_in(config) is not None:
-        why = "it normalises keys after the projection, which would undo the fitted per-head key scales"
-    elif _partial_rotary(config, head_dim):
-        why = "RoPE covers only part of each head (partial rotary), and the fit treats whole heads as rotary planes"
-    elif config.get("clip_qkv"):
-        why = "clip_qkv clamps q/k/v outputs, which the fitted scales would change"
-    return f"fit cannot convert {config.get('model_type', '')!r} exactly: {why}" if why else None
 
 
 def _per_head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -108,7 +97,10 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
 
     Works in the MHA view: K/V heads are first repeated to one per query head (the same function),
     heads are permuted into groups (`settings.grouping`), then each group's K/V is merged by `method`
-    ("mean", "first" or "fit"). Outputs keep each source tensor's dtype.
+    ("mean", "first" or "fit"; the fit's keys by `key_rule(settings)`). "knorm.weight" [kv_heads,
+    head_dim], the key norm's weight per K/V head, comes back as the merged keys' norm weight
+    [new_kv, head_dim] where the fit merges keys behind a per-head or whole-projection norm.
+    Outputs keep each source tensor's dtype.
     """
     t = dict(tensors)
     if qkv_layout is not None:  # fused (Phi-3): split, convert, merge back
@@ -120,7 +112,7 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
     o = t["o.weight"]
     hd = o.shape[1] // heads
     d = t["q.weight"].shape[1]
-    for name in ("k.weight", "k.bias", "v.weight", "v.bias"):  # the MHA view
+    for name in ("k.weight", "k.bias", "v.weight", "v.bias", "knorm.weight"):  # the MHA view
         if name in t and kv_heads != heads:
             t[name] = repeat_heads(t[name], kv_heads, heads)
     kv_bias = "k.bias" in t or "v.bias" in t
@@ -131,13 +123,14 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
     wk = _augment(t["k.weight"], t.get("k.bias"), heads, kv_bias)
     wv = _augment(t["v.weight"], t.get("v.bias"), heads, kv_bias)
     wo = o.double().reshape(o.shape[0], heads, hd).permute(1, 0, 2)  # [heads, d_out, hd]
-    planes = rotary_planes(hd, settings.interleaved)
+    rule = key_rule(settings, hd)
+    gamma = t.pop("knorm.weight", None)
 
     perm = list(range(heads))
     if settings.grouping == "similar":
         sim = head_similarity(_augment(t["k.weight"], t.get("k.bias"), heads, True),
                               _augment(t["v.weight"], t.get("v.bias"), heads, True), full,
-                              aligned=method == "fit", planes=planes)
+                              aligned=method == "fit" and rule.norm is None, planes=rotary_planes(hd, settings.interleaved))
         perm = group_permutation(sim, new_kv)
         settings.permutations[layer] = perm
     if perm != list(range(heads)):  # one at a time: at 70B widths each is a 512 MiB float64 copy
@@ -145,19 +138,18 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
         wk = wk[perm]
         wv = wv[perm]
         wo = wo[perm]
+        gamma = gamma[perm] if gamma is not None else None
+    if settings.clip_qkv:
+        source = [output_rms(w.flatten(0, 1), s) for w, s in ((wq, sig_q), (wk, sig_kv), (wv, sig_kv))]
 
-    k_all, v_all = _merge_groups(wq, wk, wv, wo, new_kv, method, sig_kv, sig_q, planes)  # [new_kv, hd, D]
+    k_all, v_all, gamma = _merge_groups(wq, wk, wv, wo, new_kv, method, sig_kv, sig_q, rule, gamma)  # [new_kv, hd, D]
+    if settings.clip_qkv:
+        start = [output_rms(w.flatten(0, 1), s) for w, s in ((wq, sig_q), (k_all, sig_kv), (v_all, sig_kv))]
+        settings.clip_seen[layer] = (max(source) / settings.clip_qkv, max(start) / settings.clip_qkv)
     del wk, wv  # the MHA-view K/V are done with
-
-    out: dict[str, torch.Tensor] = {}
-    out["q.weight"] = wq[..., :d].reshape(heads * hd, d)
-    if "q.bias" in t:
-        out["q.bias"] = wq[..., d].reshape(heads * hd)
-    for name, w in (("k", k_all), ("v", v_all)):
-        out[f"{name}.weight"] = w[..., :d].reshape(new_kv * hd, d)
-        if f"{name}.bias" in t:
-            out[f"{name}.bias"] = w[..., d].reshape(new_kv * hd)
-    out["o.weight"] = wo.permute(1, 0, 2).reshape(o.shape[0], heads * hd)
+    out = _unaugmented(wq, k_all, v_all, wo, t, d)
+    if gamma is not None:
+        out["knorm.weight"] = gamma
     del wq, wo
     if qkv_layout is None:  # each output in its source's dtype now, not all float64 copies at once
         out = {name: value.to(tensors[name].dtype) for name, value in out.items()}
@@ -172,29 +164,58 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
     return {name: value.to(tensors[name].dtype).contiguous() for name, value in out.items()}
 
 
+def _unaugmented(wq: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, wo: torch.Tensor,
+                 t: dict[str, torch.Tensor], d: int) -> dict[str, torch.Tensor]:
+    """The layer's projections as weight and bias tensors (the bias column split off where `t` has
+    the bias): wq [heads, hd, D], k_all/v_all [new_kv, hd, D], wo [heads, d_out, hd]."""
+    heads, hd = wq.shape[:2]
+    out: dict[str, torch.Tensor] = {"q.weight": wq[..., :d].reshape(heads * hd, d)}
+    if "q.bias" in t:
+        out["q.bias"] = wq[..., d].reshape(heads * hd)
+    for name, w in (("k", k_all), ("v", v_all)):
+        out[f"{name}.weight"] = w[..., :d].reshape(-1, d)
+        if f"{name}.bias" in t:
+            out[f"{name}.bias"] = w[..., d].reshape(-1)
+    out["o.weight"] = wo.permute(1, 0, 2).reshape(wo.shape[1], heads * hd)
+    return out
+
+
 def _merge_groups(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor, new_kv: int, method: str,
-                  sig_kv: torch.Tensor, sig_q: torch.Tensor, planes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group of heads // new_kv consecutive heads' K/V merged into one: (K, V), each [new_kv, hd, D].
+                  sig_kv: torch.Tensor, sig_q: torch.Tensor, rule: KeyRule, gamma: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each group of heads // new_kv consecutive heads' K/V merged into one: (K, V, key norm weight),
+    K and V [new_kv, hd, D], the norm weight [new_kv, hd] or None (the planned pooling stands).
 
     wq, wk, wv: [heads, hd, D] (augmented with the bias column where there is one), wo: [heads, d_out,
-    hd], all in group order. "fit" also compensates the group's queries and outputs: wq and wo are
-    updated in place."""
+    hd], gamma: [heads, hd] the key norm weight per head or None, all in group order. "fit" also
+    compensates the group's outputs (and, with no key norm, its queries): wq and wo are updated in
+    place. Behind a key norm the keys are merged for the whole layer at once (`merge_keys_under_norm`:
+    a whole-projection norm has one RMS for all groups)."""
     g = wk.shape[0] // new_kv
     new_k, new_v = [], []
     for s in range(new_kv):
         grp = slice(s * g, (s + 1) * g)
         if method == "fit":
-            k1, wq[grp] = fit_keys(wk[grp], wq[grp], sig_kv, sig_q, planes)
-            v1, wo[grp] = fit_values(wv[grp], wo[grp], sig_kv)
+            if rule.norm is None:
+                k1, wq[grp] = fit_keys_partial(wk[grp], wq[grp], sig_kv, sig_q, rule.planes, rule.passthrough,
+                                               rule.keep_scale)
+                new_k.append(k1)
+            v1, wo[grp] = fit_values(wv[grp], wo[grp], sig_kv, rule.keep_scale)
         elif method == "mean":
-            k1, v1 = wk[grp].mean(0), wv[grp].mean(0)
+            new_k.append(wk[grp].mean(0))
+            v1 = wv[grp].mean(0)
         elif method == "first":
-            k1, v1 = wk[grp][0], wv[grp][0]
+            new_k.append(wk[grp][0])
+            v1 = wv[grp][0]
         else:
             raise ValueError(f"transform_layer takes mean, first or fit, not {method!r}")
-        new_k.append(k1)
         new_v.append(v1)
-    return torch.stack(new_k), torch.stack(new_v)
+    if method == "fit" and rule.norm is not None:
+        per_head = gamma if rule.norm != "shared" else None
+        k_all, gamma_new = merge_keys_under_norm(wq, wk, sig_kv, sig_q, new_kv, rule.planes, rule.centred,
+                                                 rule.norm == "whole", per_head)
+        return k_all, torch.stack(new_v), gamma_new
+    return torch.stack(new_k), torch.stack(new_v), None
 
 
 class _LayerCache:
@@ -236,10 +257,10 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         raise UsageError(f"found attention projections in {len(layers)} of {d.layers} layers; "
                          f"the layer-at-a-time conversion does not know this checkpoint's tensor names")
     layout = change.family.qkv_layout[0] if change.family.qkv_layout else None
-    # --refine trains the key norms that carry K/V heads (StableLM, Cohere, OLMo-2) with the layer:
-    # their pooled outputs join the layer's computation, so they too are made once and refined
+    # --refine trains the key norms that carry K/V heads (StableLM, Cohere, OLMo-2) with the layer, and
+    # the fit merges keys behind them with their weights: their outputs join the layer's computation
     norms: dict[str, dict[str, Any]] = {}  # layer -> {"norm:<name inside the attention>": planned output}
-    if settings.refiner is not None:
+    if settings.refiner is not None or (change.method == "fit" and settings.key_norm in ("per_head", "whole")):
         for output in outputs:
             layer = _norm_layer(output.spec.name, change.family)
             if layer in layers:
@@ -258,19 +279,8 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         norm_keys = [f"{k}#{j}" for k, o in layer_norms.items() for j in range(len(o.sources))]
         sources_of[layer] = [parts[k] for k in keys] + [o.sources[j] for o in layer_norms.values()
                                                          for j in range(len(o.sources))]
-
-        def compute(ts, layer=layer, layer_norms=layer_norms):
-            if layer == first_layer and settings.on_layer is not None and hasattr(settings.on_layer, "begin"):
-                settings.on_layer.begin()  # the time left counts from the first layer, not from the start
-            start = transform_layer({k: v for k, v in ts.items() if not k.startswith("norm:")}, d.heads, d.kv_heads,
-                                    change.new_kv_heads, change.method, settings, layer, layout)
-            for key, output in layer_norms.items():  # the planned pooling of the norm: the refinement's start
-                start[key] = output.make([ts[f"{key}#{j}"] for j in range(len(output.sources))]).to(output.spec.dtype)
-            done = settings.refiner(layer, start) if settings.refiner is not None else start
-            if settings.on_layer is not None:
-                settings.on_layer(getattr(settings.refiner, "last_line", "")
-                                  or f"layer {layer_index(layer)} converted ({change.method})")
-            return done
+        compute = partial(_convert_layer, layer=layer, layer_norms=layer_norms, change=change, layout=layout,
+                          first=layer == first_layer, layers=len(layers))
         caches[layer] = _LayerCache(compute, keys + norm_keys, set(keys) | set(layer_norms), layer)
     result = []
     started: set[str] = set()
@@ -289,6 +299,45 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
                               make=lambda ts, cache=cache, key=key: cache.take(key, ts),
                               unchanged=False))  # rewritten: never a byte copy of its source
     return _in_layer_order(result, change.family)
+
+
+def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any], change, layout: str | None,
+                   first: bool, layers: int) -> dict[str, torch.Tensor]:
+    """One layer's outputs (`_LayerCache.compute`): its start (`transform_layer`, the key norms carrying
+    K/V heads as the fit merged them or as planned), refined where `--refine` asks."""
+    from uptrain.convert.layers.calibrate import layer_index
+
+    settings, d = change.layerwise, change.dims
+    if first and settings.on_layer is not None and hasattr(settings.on_layer, "begin"):
+        settings.on_layer.begin()  # the time left counts from the first layer, not from the start
+    projections = {k: v for k, v in ts.items() if not k.startswith("norm:")}
+    weights = sorted((k for k in layer_norms if k.endswith(".weight")), key=_head_number)
+    hd = projections["o.weight"].shape[1] // d.heads
+    gamma = [ts[f"{k}#{j}"].reshape(-1) for k in weights for j in range(len(layer_norms[k].sources))]
+    if change.method == "fit" and gamma and sum(x.numel() for x in gamma) == d.kv_heads * hd:  # a row per K/V head
+        projections["knorm.weight"] = torch.cat(gamma).reshape(d.kv_heads, hd)
+    start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings, layer,
+                            layout)
+    merged = start.pop("knorm.weight", None)
+    for key, output in layer_norms.items():  # the planned pooling of the norm, where the fit did not merge it
+        start[key] = output.make([ts[f"{key}#{j}"] for j in range(len(output.sources))]).to(output.spec.dtype)
+    if merged is not None:  # the fit's norm weights, in the planned outputs' order and shapes
+        rows = merged.reshape(-1)
+        for key in weights:
+            n = layer_norms[key].spec.numel
+            start[key], rows = rows[:n].reshape(layer_norms[key].spec.shape).to(layer_norms[key].spec.dtype), rows[n:]
+    done = settings.refiner(layer, start) if settings.refiner is not None else start
+    if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
+        settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
+    if settings.on_layer is not None:
+        settings.on_layer(getattr(settings.refiner, "last_line", "")
+                          or f"layer {layer_index(layer)} converted ({change.method})")
+    return done
+
+
+def _head_number(key: str) -> tuple[int, ...]:
+    """The numbers in a norm's key ("norm:k_layernorm.norms.10.weight" -> (10,)): head order, 2 before 10."""
+    return tuple(int(n) for n in re.findall(r"\d+", key))
 
 
 def _norm_layer(name: str, family: Family) -> str | None:
@@ -335,8 +384,12 @@ def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_he
     check_layerwise(family, config, head_dim, method, grouping)
     if new_kv > kv_heads:
         raise UsageError("--method fit and --grouping similar only reduce the K/V head count")
+    fit = method == "fit"
     return Layerwise(grouping=grouping, interleaved=family.interleaved_rope,
-                     sigma=partial(calibration.sigma, user=user) if calibration is not None else None)
+                     sigma=partial(calibration.sigma, user=user) if calibration is not None else None,
+                     rotary_dims=rotary_dims(config, head_dim), key_norm=family.key_norm_in(config) if fit else None,
+                     norm_centred=family.key_norm_centred, clip_qkv=config.get("clip_qkv") if fit else None,
+                     start_note=fit_start(family, config, head_dim) if fit else None)
 
 
 def describe_layerwise(plan, settings: Layerwise | None, calibration, source_params: int) -> None:
@@ -344,6 +397,9 @@ def describe_layerwise(plan, settings: Layerwise | None, calibration, source_par
     if settings is None:
         return
     plan.grouping = settings.grouping
+    settings.notes = plan.notes  # the same list: the clamp's activity is added once every layer is converted
+    if settings.start_note:
+        plan.notes.append(settings.start_note)
     if settings.grouping == "similar":
         plan.head_order = settings.permutations  # the same dict: filled as layers are converted
     if calibration is not None:

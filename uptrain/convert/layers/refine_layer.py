@@ -11,8 +11,9 @@ layer's outputs. One pass over the original model; memory: one layer, the activa
 student and its Adam state.
 
 What is trained: the q/k/v/o (or fused qkv) weights and biases, and key norms that carry K/V
-heads (StableLM's per-head LayerNorms, Cohere's per-head and OLMo-2's whole-K norm weights: their
-pooled values, keys "norm:<name inside the attention>", start the student and the refined ones
+heads (StableLM's per-head LayerNorms, Cohere's per-head and OLMo-2's whole-K norm weights: the
+values the start gives them, keys "norm:<name inside the attention>" (pooled with `mean`, set to
+the merged keys' length by `fit`: `layers/fit_start.py`), start the student and the refined ones
 are written). A shared key/query norm (Qwen3, Gemma 3, Phi qk_layernorm: one [head_dim] weight,
 kept unchanged by the conversion) is copied from the original and frozen, because the converter
 copies it byte for byte.

@@ -12,8 +12,10 @@ input (the identity without calibration).
   (k_j ≈ s_j k), weighted by how much head j's query uses the plane; conj(s_j) is folded into head
   j's query rows of that plane. A complex scale is a 2x2 rotation-scaling, which commutes with RoPE,
   so every attention score the fit keeps, it keeps at every position.
-- Partial rotary heads (`fit_keys_partial`, not used by the converter yet): the rotary planes as
-  above, the rows RoPE leaves alone by one shared block and a linear map per head (`fit_linear_keys`).
+- Partial rotary heads (`fit_keys_partial`, what the converter calls for every head: with no rows
+  outside the planes it is `fit_keys`): the rotary planes as above, the rows RoPE leaves alone by
+  one shared block and a linear map per head (`fit_linear_keys`).
+- Keys behind a norm (Qwen3, OLMo-2, StableLM/Cohere qk-norm, ...): `normfit.py`.
 
 Mean pooling (with Q and O unchanged) is one point of each fitted family, so on these objectives
 the fit is never worse than mean pooling.
@@ -112,13 +114,16 @@ def _top_singular(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return u[..., :k], s[..., :k], vh[..., :k, :] @ q.mH
 
 
-def fit_values(wv: torch.Tensor, wo: torch.Tensor, sigma: torch.Tensor
+def fit_values(wv: torch.Tensor, wo: torch.Tensor, sigma: torch.Tensor, keep_scale: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One shared value head for a group, and each head's refitted o_proj columns.
 
     wv: [g, hd, D] value rows per head (augmented); wo: [g, d, hd] o_proj columns per head.
     Returns (wv_new [hd, D], wo_new [g, d, hd]), float64. Each row of wv_new is signed so that its
     largest-magnitude entry is positive (a singular vector's sign is otherwise LAPACK's choice).
+    keep_scale: wv_new is instead M wv_new (o_proj columns times M⁻¹) with M = `size_map` of the
+    least-squares maps B_j (W_v,j ≈ B_j wv_new), so values keep the source heads' size and identical
+    heads come back as they are (what a clamp on the outputs, clip_qkv, needs).
     """
     g, hd, dim = wv.shape
     wv, wo, sig = wv.double(), wo.double(), sigma.double()
@@ -135,11 +140,15 @@ def fit_values(wv: torch.Tensor, wo: torch.Tensor, sigma: torch.Tensor
     gram = wv_new @ cross
     solve = torch.linalg.solve(gram, torch.eye(hd, dtype=gram.dtype))
     wo_new = wo @ (wv @ cross @ solve)  # [g, d, hd]: least squares W_o,j W_v,j ≈ W'_o,j W'_v under Σ
+    if keep_scale:
+        size = size_map(wv @ cross @ solve)  # from the maps W_v,j ≈ B_j wv_new (least squares under Σ)
+        if torch.linalg.cond(size) < 1e8:
+            wv_new, wo_new = size @ wv_new, wo_new @ torch.linalg.inv(size)
     return wv_new, wo_new
 
 
 def fit_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q: torch.Tensor,
-             planes: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             planes: tuple[torch.Tensor, torch.Tensor], keep_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One shared key head for a group, and each head's query rows with the per-plane scales folded in.
 
     wk: [g, hd, Dk] key rows per head (augmented), sigma_k its Dk x Dk moment; wq: [g, hd, Dq]
@@ -153,6 +162,9 @@ def fit_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q:
     scores by the same phase). Solved exactly by the top singular pair of the weighted, whitened
     rows [sqrt(E|q_j|²) a_j L]_j. Each plane's key is turned so that its largest-magnitude entry
     is real and positive (the pair's phase is otherwise LAPACK's choice; the scales turn with it).
+    keep_scale: the key's free complex factor per plane (the scales divided by it) is instead set by
+    `_source_size`, so the key keeps the source heads' size, the queries theirs on average, and
+    identical heads come back as they are (what a clamp on the outputs, clip_qkv, needs).
     """
     first, second = planes
     wk, wq = wk.double(), wq.double()
@@ -173,6 +185,8 @@ def fit_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q:
     phase = key.gather(1, key.abs().argmax(1, keepdim=True))  # [P, 1]
     phase = phase / phase.abs().clamp_min(1e-300)
     key, scale = key * phase.conj(), scale * phase
+    if keep_scale:
+        key, scale = _source_size(key, scale, use)
     wk_new = torch.zeros(wk.shape[1:], dtype=torch.float64)
     wk_new[first], wk_new[second] = key.real, key.imag
     # fold conj(s_h) into the query plane: Re(c q conj(k)) = Re(q conj(s_h k))
@@ -185,8 +199,35 @@ def fit_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q:
     return wk_new, wq_new
 
 
-def fit_linear_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _source_size(key: torch.Tensor, scale: torch.Tensor, use: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key c, scale / c) per plane: key [P, Dk], scale [P, g] (k_j ≈ scale_j key), use [P, g].
+
+    c takes the phase of the scales' use-weighted mean and the size of their weighted RMS (a
+    plane's `size_map`): the scales keep RMS 1, so queries keep their size on average and the key
+    takes the heads' size; identical heads give c = their scale (key and queries as they were).
+    """
+    weight = use / use.sum(1, keepdim=True)  # [P, g]
+    mean = (weight * scale).sum(1)
+    rms = (weight * scale.abs().pow(2)).sum(1).sqrt()
+    turn = torch.where(mean.abs() > 1e-12 * rms, mean / mean.abs().clamp_min(1e-300), torch.ones_like(mean))
+    c = torch.where(rms > 0, turn * rms, torch.ones_like(mean))
+    return key * c[:, None], scale / c[:, None]
+
+
+def size_map(maps: torch.Tensor) -> torch.Tensor:
+    """The source-size gauge of maps [g, n, n] (head j ≈ maps_j @ shared rows): M = U S, U the
+    rotation of the maps' mean (polar decomposition) and S = (mean_j maps_jᵀ maps_j)^{1/2}. Then
+    M⁻ᵀ (mean_j maps_jᵀ maps_j) M⁻¹ = I (the folded maps_j M⁻¹ keep size 1 on average), M is as well
+    conditioned as the maps' Gram, and g identical maps give M = that map.
+    """
+    u, _, vh = torch.linalg.svd(maps.mean(0))
+    vals, vecs = torch.linalg.eigh((maps.mT @ maps).mean(0))
+    root = (vecs * vals.clamp_min(0).sqrt()) @ vecs.mT
+    return u @ vh @ root
+
+
+def fit_linear_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q: torch.Tensor,
+                    keep_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One shared key block for a group's rows that RoPE leaves alone, with a linear map per head.
 
     wk: [g, n, Dk] the non-rotary key rows per head (augmented), wq: [g, n, Dq] the matching query
@@ -198,6 +239,8 @@ def fit_linear_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, s
     the top n right singular directions of the stacked [F_j K_j L]_j (like `fit_values`) and A_j is
     the Σ-weighted least squares K_j ≈ A_j K'. Mean pooling (A_j = I) is one point of the family.
     Returns (wk_new [n, Dk], wq_new [g, n, Dq]), float64; rows of wk_new signed like `fit_values`.
+    keep_scale: K' is instead M K' with M = `size_map` of the maps (A_j M⁻¹ folded), so the key keeps
+    the heads' size, queries theirs on average, and identical heads come back as they are.
     """
     g, n, dim = wk.shape
     wk, wq, sig_k, sig_q = wk.double(), wq.double(), sigma_k.double(), sigma_q.double()
@@ -210,11 +253,15 @@ def fit_linear_keys(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, s
     wk_new = wk_new * wk_new.gather(1, wk_new.abs().argmax(1, keepdim=True)).sign()
     cross = sig_k @ wk_new.T  # [Dk, n]
     maps = wk @ cross @ torch.linalg.solve(wk_new @ cross, torch.eye(n, dtype=cross.dtype))  # A_j [g, n, n]
+    if keep_scale:
+        size = size_map(maps)
+        if torch.linalg.cond(size) < 1e8:
+            wk_new, maps = size @ wk_new, maps @ torch.linalg.inv(size)
     return wk_new, maps.mT @ wq
 
 
 def fit_keys_partial(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, sigma_q: torch.Tensor,
-                     planes: tuple[torch.Tensor, torch.Tensor], passthrough: torch.Tensor
+                     planes: tuple[torch.Tensor, torch.Tensor], passthrough: torch.Tensor, keep_scale: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fit_keys` for partial rotary heads: the rotary planes as in `fit_keys`, the dims RoPE leaves
     alone (`passthrough`, indices into the head's rows) by `fit_linear_keys`.
@@ -223,10 +270,11 @@ def fit_keys_partial(wk: torch.Tensor, wq: torch.Tensor, sigma_k: torch.Tensor, 
     `rotary_planes(rotary_dims, interleaved)` when RoPE covers the first rotary_dims rows, as in
     Phi and StableLM); every row is in exactly one plane or in `passthrough`. The two parts of the
     score add up, and each part's objective involves only its own rows, so fitting them apart is
-    the joint optimum. Returns (wk_new [hd, Dk], wq_new [g, hd, Dq]), float64.
+    the joint optimum. Returns (wk_new [hd, Dk], wq_new [g, hd, Dq]), float64. keep_scale: as in
+    `fit_keys` and `fit_linear_keys`.
     """
-    wk_new, wq_new = fit_keys(wk, wq, sigma_k, sigma_q, planes)
+    wk_new, wq_new = fit_keys(wk, wq, sigma_k, sigma_q, planes, keep_scale)
     if len(passthrough):
         wk_new[passthrough], wq_new[:, passthrough] = fit_linear_keys(wk[:, passthrough], wq[:, passthrough],
-                                                                      sigma_k, sigma_q)
+                                                                      sigma_k, sigma_q, keep_scale)
     return wk_new, wq_new

@@ -142,6 +142,7 @@ class Family:
     key_norm: KeyNorm | None = None  # a norm of the keys after the k projection, see `KeyNorm`
     key_norm_module: str = ""  # its module name inside the attention module ("k_norm")
     key_norm_flag: str | None = None  # the config field that switches the key norm on; None: always on
+    key_norm_centred: bool = False  # the key norm is a LayerNorm (centres over its dims first), else an RMSNorm
     loaded: Attention | None = None  # the loaded model's module names, where transformers renames the checkpoint's
 
     @property
@@ -185,18 +186,18 @@ FAMILIES: tuple[Family, ...] = (
            examples="Qwen3, Gemma 3, EXAONE 4",
            notes="separate q/k/v/o; shared per-head-dim q/k norms need no pooling"),
     Family(("phi",), Attention(o="dense"), key_norm="shared", key_norm_module="k_layernorm",
-           key_norm_flag="qk_layernorm", examples="microsoft/phi-1_5, microsoft/phi-2",
+           key_norm_flag="qk_layernorm", key_norm_centred=True, examples="microsoft/phi-1_5, microsoft/phi-2",
            notes="biases on q/k/v/dense; output named `dense`; partial rotary"),
     Family(("phi3",), Attention(q=None, k=None, v=None, qkv="qkv_proj"),
            qkv_layout=("blocks", "blocks"), examples="microsoft/Phi-3-mini-4k-instruct (MHA)",
            notes="fused qkv_proj: rows are the q, k, v blocks in turn"),
     Family(("stablelm",),
            norms=(KVTensor(r"\.self_attn\.k_layernorm\.norms\.(\d+)\.(?:weight|bias)$", "head_list", is_norm=True),),
-           key_norm="per_head", key_norm_module="k_layernorm", key_norm_flag="qk_layernorm",
+           key_norm="per_head", key_norm_module="k_layernorm", key_norm_flag="qk_layernorm", key_norm_centred=True,
            examples="stabilityai/stablelm-2-1_6b, stablelm-3b-4e1t",
            notes="qk_layernorm: one key LayerNorm per K/V head, pooled; partial rotary"),
     Family(("cohere",), norms=(KVTensor(r"\.self_attn\.k_norm\.weight$", is_norm=True),), interleaved_rope=True,
-           key_norm="per_head", key_norm_module="k_norm", key_norm_flag="use_qk_norm",
+           key_norm="per_head", key_norm_module="k_norm", key_norm_flag="use_qk_norm", key_norm_centred=True,
            examples="CohereForAI/c4ai-command-r-v01",
            notes="use_qk_norm: per-head key norm [kv_heads, head_dim], pooled; interleaved RoPE"),
     Family(("olmo2", "olmo3"), norms=(KVTensor(r"\.self_attn\.k_norm\.weight$", is_norm=True),),
@@ -273,15 +274,19 @@ def attention_for(model_type: str) -> Attention | None:
 
 def refine_support(family: Family) -> str:
     """What `--method fit` / `--refine` do for a family, as the README's table says it (the
-    refusals themselves: `layerwise.check_layerwise`, `refine_layer.check_refine`)."""
-    flag = f" with {family.key_norm_flag}" if family.key_norm_flag else ""
+    refusals themselves: `layerwise.check_layerwise`, `refine_layer.check_refine`; the fit's start
+    per config: `layers/fit_start.py`)."""
+    flag = f"; with {family.key_norm_flag}" if family.key_norm_flag else ":"
     if family.kv_between_queries:
         return "mean/first/random only; no --refine"
+    if family.key_norm == "shared":
+        return (f"fit{flag} keys merged behind the shared key norm (their direction; the norm keeps "
+                f"the length), values fitted; --refine from fit")
     if family.key_norm in ("per_head", "whole"):
-        return f"fit refused{flag} (key norm); --refine from mean, the pooled key norm trained too"
-    if family.key_norm == "shared" and not family.key_norm_flag:
-        return "fit refused (key norm); --refine from mean"
-    return "fit; --refine from fit, from mean where the config makes fit refuse (key norm, partial rotary, clip_qkv)"
+        kind = "per-head" if family.key_norm == "per_head" else "whole-K"
+        return (f"fit{flag} keys merged behind the {kind} key norm, its pooled weight fitted to their "
+                f"length, values fitted; --refine from fit, the pooled key norm trained too")
+    return "fit (partial rotary or clip_qkv in the config: a start of its own); --refine from fit"
 
 
 def markdown_table() -> str:
