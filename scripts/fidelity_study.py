@@ -118,11 +118,14 @@ def _table(rows: list[dict]) -> str:
 
 
 def disagreements(rows: list[dict]) -> list[str]:
-    """Pairs at one K/V count that the loss and the KL order differently (ties of 1e-4 left out)."""
+    """Pairs at one K/V count that the loss and the KL order differently (ties of 1e-4 left out):
+    the starts against each other, and each start's uptrainings against it and each other."""
     said = []
     for count in sorted({r["kv_heads"] for r in rows}, reverse=True):
         same = [r for r in rows if r["kv_heads"] == count]
         for a, b in combinations(same, 2):
+            if a["start"] != b["start"] and (a["uptrained"] or b["uptrained"]):
+                continue
             dl, dk = a["loss"] - b["loss"], a["kl_to_source"] - b["kl_to_source"]
             if abs(dl) > 1e-4 and abs(dk) > 1e-4 and (dl > 0) != (dk > 0):
                 lower_loss, lower_kl = (a, b) if dl < 0 else (b, a), (a, b) if dk < 0 else (b, a)
@@ -133,7 +136,9 @@ def disagreements(rows: list[dict]) -> list[str]:
 
 
 def table(out: Path) -> None:
-    records = {m: _rows(out, m) for m in MODELS if (out / m / "sweep.json").is_file()}
+    done = [m for m in MODELS if all((out / f / "sweep.json").is_file()
+                                     for f in (m, f"{m}-fit", *(f"{m}-kd{a:g}" for a in ALPHAS)))]
+    records = {m: _rows(out, m) for m in done}
     (REPO / "results" / "fidelity.json").write_text(json.dumps(records, indent=1) + "\n")
     for model, rows in records.items():
         print(f"\n## {model}\n\n{_table(rows)}\n\nWhere loss and KL rank differently:\n")

@@ -23,8 +23,10 @@ _METHODS = {
     "mean": "mean-pooling the K/V projection heads of each group of query heads (the GQA paper's method)",
     "first": "keeping the first K/V head of each group (the GQA paper's 'first' ablation)",
     "random": "re-initialising the K/V projections at random (the GQA paper's 'random' ablation)",
-    "fit": "a least-squares fit of one K/V head per group, with per-head key scales folded into the query "
-           "projection and the output projection refitted (uptrain's `--method fit`)",
+    "fit": "a least-squares fit of one K/V head per group (uptrain's `--method fit`): per-head key scales "
+           "folded into the query projection and the output projection refitted, or, behind a key norm, "
+           "the heads' normalised keys merged with the queries unchanged (the plan's `fit start` note below "
+           "says which)",
 }
 BASE_MODEL_RELATION = "finetune"
 _DROPPED = ("model-index", "base_model", "base_model_relation")  # about the source, not this model
