@@ -38,7 +38,7 @@ from uptrain import interrupt
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.convert.registry.choices import GROUPINGS, METHODS
-from uptrain.convert.io.hfconfig import model_shape, source_family
+from uptrain.convert.io.hfconfig import model_shape, source_family, stored_kv_bytes_per_token
 from uptrain.convert.pipeline import check_kv_heads
 from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
@@ -288,7 +288,7 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
           "against the source", flush=True)
     results = evaluate_paths([str(path) for _, path in models], valid, max_length, stride, reference=str(models[0][1]),
                              greedy=GreedySettings().within(max_length, explicit=False))
-    kv = [_kv_bytes_per_token(path) for _, path in models]
+    kv = [stored_kv_bytes_per_token(path) for _, path in models]
     table = [[label, f"{r.loss:.3f}", f"{r.perplexity:.2f}", f"{r.kl_to_source:.4f}", f"{r.top1_agreement:.1%}",
               "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1%}", f"{b:,} B", f"{kv[0] / b:.0f}x"]
              for (label, _), r, b in zip(models, results, kv)]
@@ -305,19 +305,6 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
         print("\n(The trainer's val loss above is over packed blocks of the training format, each document's "
               "context cut at block edges; this table scores each document whole: the two differ, this one "
               "is the number to compare models with. docs/layout.md, 'Two validation numbers'.)")
-
-
-def _kv_bytes_per_token(model_dir: Path) -> int:
-    """KV-cache bytes per token of a model folder, in its stored dtype (the registry's K/V head field)."""
-    from transformers import AutoConfig
-
-    from uptrain.units import DTYPES
-
-    config = AutoConfig.from_pretrained(model_dir).get_text_config()
-    shape = model_shape(config)
-    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-    itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
-    return kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
 
 
 DEMO_MARK = ".uptrain-demo"  # in a folder the demo made: only such a folder is replaced by --out

@@ -314,18 +314,13 @@ def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict,
     """Score `folder` with uptrain.eval's code (`evaluate_paths`), against the source `reference` (KL,
     top-1 and greedy agreement: `uptrain.measure.fidelity`), and size its KV cache."""
     from transformers import AutoConfig
-    from uptrain.convert.io.hfconfig import model_shape
+    from uptrain.convert.io.hfconfig import stored_kv_bytes_per_token
     from uptrain.measure.eval import evaluate_paths
-    from uptrain.units import DTYPES, kv_cache_bytes_per_token
 
     began = time.monotonic()
     (result,) = evaluate_paths([str(folder)], texts, max_length, stride, reference=str(reference), greedy=greedy)
-    config = AutoConfig.from_pretrained(folder).get_text_config()
-    shape = model_shape(config)
-    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-    itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
-    per_token = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
-    context = getattr(config, "max_position_embeddings", None) or max_length
+    per_token = stored_kv_bytes_per_token(folder)
+    context = getattr(AutoConfig.from_pretrained(folder).get_text_config(), "max_position_embeddings", None) or max_length
     settings = {**settings, "context": context, "batch": batch, "max_length": max_length, "stride": stride}
     return Point(label, method, kv_heads, result.loss, result.perplexity, per_token, per_token * context * batch,
                  str(folder), settings, round(seconds + time.monotonic() - began, 3), **fidelity_of(result))

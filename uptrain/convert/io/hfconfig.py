@@ -81,6 +81,18 @@ def model_shape(config: PretrainedConfig | dict[str, Any]) -> AttentionDims:
     return attention_dims(cfg, family)
 
 
+def stored_kv_bytes_per_token(model_dir) -> int:
+    """KV-cache bytes per token of a model folder in its stored dtype (float32 when it names none),
+    from its config alone: 2 x layers x K/V heads x head_dim x the dtype's bytes."""
+    from uptrain.units import DTYPES, kv_cache_bytes_per_token
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    shape = model_shape(config)
+    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    itemsize = DTYPES.get(stored.removeprefix("torch."), DTYPES["float32"]).itemsize
+    return kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
+
+
 def _raw_key(cfg: PretrainedConfig, raw: dict[str, Any], field: str) -> str:
     """The key config.json uses for `field`: the field itself or its legacy alias."""
     alias = getattr(type(cfg), "attribute_map", {}).get(field)
