@@ -123,3 +123,20 @@ def test_no_function_is_longer_than_75_lines():
             for p in PACKAGE.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 75]
     assert not long, long
+
+
+# The trainer's run plan (uptrain/train/plan/): made before anything is built, so it reads the
+# config, the launch and the run folder, never a module that builds or runs the training.
+TRAIN_BUILDS = {"uptrain.train.loop", "uptrain.train.steps", "uptrain.train.setup", "uptrain.train.report",
+                "uptrain.train.run_state", "uptrain.train.runtime", "uptrain.train.shard",
+                "uptrain.train.teacher_samples", "uptrain.train.validate", "uptrain.train.__main__"}
+
+
+def test_the_run_plan_imports_nothing_that_builds_or_runs():
+    wrong = [f"{name} -> {dep}" for name, deps in GRAPH.items() if name.startswith("uptrain.train.plan")
+             for dep in deps if dep in TRAIN_BUILDS]
+    assert not wrong, wrong
+    page = (REPO / "docs" / "layout.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `uptrain/train/` |"))
+    present = {p.stem for p in (PACKAGE / "train" / "plan").glob("*.py") if p.stem != "__init__"}
+    assert present <= set(re.findall(r"`(\w+)\.py`", row)), sorted(present - set(re.findall(r"`(\w+)\.py`", row)))

@@ -1,8 +1,9 @@
 """The uptraining job: continue pre-training a (converted) checkpoint with accelerate.
 
-Modules: config (dataclasses + YAML), sources and packing (text -> token blocks), setup (checks
-and everything built before step 1), losses, run_state (checkpoints and resume), loop (the run
-itself), report (metrics, plots, the final model folder); __main__ is the CLI.
+Modules: config (dataclasses + YAML), plan/ (the run plan: every check of the config, the launch
+and the run folder, made once into one immutable `Plan`), setup (what is built before step 1 from
+the plan: data, optimizer), losses, run_state (checkpoints), loop (the run itself), report
+(metrics, plots, the final model folder); __main__ is the CLI.
 
 Python API: `from uptrain.train import train`.
 """

@@ -12,7 +12,7 @@ state layout. Those are the identity:
 
 Every checkpoint records its identity (`checkpoint_identity`, in trainer_state.json) and the run
 folder it belongs to; `identity_changes` names what differs. The process count is recorded too but
-is not part of the identity: an elastic resume keeps the global batch (run_state.elastic_grad_accum).
+is not part of the identity: an elastic resume keeps the global batch (plan/resume.py, elastic_grad_accum).
 """
 
 from __future__ import annotations

@@ -30,22 +30,17 @@ from transformers import AutoModelForCausalLM
 
 from uptrain.train.config import TrainConfig, to_dict
 from uptrain.train.health import TrainingDiverged  # noqa: F401 (public here)
+from uptrain.train.plan.budget import apply_threads, grace_line  # noqa: F401 (grace_line: public here too)
+from uptrain.train.plan.checked import Plan, check_data, check_run
+from uptrain.train.plan.models import ModelFolders
 from uptrain.train.report import MetricsLog, plot_losses, save_final_model, write_held_out
-from uptrain.train.run_state import (
-    PREEMPTED_FILE, RUN_FILE, check_checkpoint_identity, check_run_dir, checkpoint_state, elastic_grad_accum,
-    clear_run_dir, load_checkpoint, mark_finished,
-)
-from uptrain.train.runtime import check_deepspeed, check_shared_run_dir, deepspeed_facts, make_accelerator
+from uptrain.train.run_state import PREEMPTED_FILE, RUN_FILE, clear_run_dir, load_checkpoint, mark_finished
+from uptrain.train.runtime import make_accelerator
 from uptrain.train import shard
-from uptrain.train.identity import run_identity
-from uptrain.train.preempt import Preempted, StopRequest, stop_grace
-from uptrain.train.setup import (
-    ModelFolders, apply_threads, build_data, check_models, check_validation_size, make_optimizer,
-    final_model_dtype, plan_run, resolve_models,
-)
-from uptrain.train.teacher_samples import check_samples_budget, ensure_teacher_samples
-from uptrain.errors import UsageError
-from uptrain.train.trainable import apply_trainable, param_numel, stage_steps, stages_line, trainable_line
+from uptrain.train.preempt import Preempted, StopRequest
+from uptrain.train.setup import build_data, make_optimizer
+from uptrain.train.teacher_samples import ensure_teacher_samples
+from uptrain.train.trainable import apply_trainable, param_numel, stages_line, trainable_line
 from uptrain.train.steps import Run, sharded_io, train_steps
 
 
@@ -57,7 +52,7 @@ def train(config: TrainConfig) -> dict:
         stop.connect(run.accelerator.process_index, run.accelerator.num_processes)
         stop.enter("checkpoint load" if run.resume_from else "step-0 evaluation")
         start_step, batches = resume_state(run)
-        if start_step == 0 and config.eval.at_start:
+        if start_step == 0 and run.config.eval.at_start:
             first = run.validate()
             run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
             run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
@@ -72,112 +67,65 @@ def train(config: TrainConfig) -> dict:
 
 
 def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
-    """Check everything, then build model, teacher, optimizer and loader (nothing trained yet).
+    """Check everything (the plan), then build model, teacher, optimizer and loader (nothing trained yet).
 
     `stop`: told which phase set-up is in (a stop signal meanwhile raises StoppedInSetup)."""
     enter = stop.enter if stop is not None else (lambda phase: None)
     enter("checks")
-    run_dir = Path(config.run_dir)
-    accelerator = make_accelerator(config, run_dir)
-    world = accelerator.num_processes
-
-    # --- checks first: config, run folder, models, budget, data; all before weights load ---
+    accelerator = make_accelerator(config, Path(config.run_dir))  # the launch: processes, precision, sharding
     apply_threads(config.threads)
-    check_deepspeed(config, deepspeed_facts(accelerator))
-    if config.shard == "fsdp2":
-        shard.check_fsdp2(config, accelerator)
-    if config.compile:
-        shard.check_compile(accelerator.device.type)
-    check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
-    resume_from = check_run_dir(run_dir, to_dict(config), config.resume, config.overwrite)
-    config, state, lines = _resume_checks(config, resume_from, accelerator)
-    plan = plan_run(config, world)
-    ranges = []
-    if config.trainable_stages:
-        if world > 1:  # DDP/FSDP fix the set of parameters with gradients when they wrap the model
-            raise UsageError("trainable_stages runs in one process for now; use one process or a single trainable")
-        ranges = stage_steps(config.trainable_stages, plan.tokens_per_step, plan.steps, config.trainable)
-    config_dict = to_dict(config)
-    folders = resolve_models(config)
-    tokenizer = check_models(config, folders)
-    final_dtype, dtype_line = final_model_dtype(config, folders)
-    data_config = config
-    if config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
-        check_samples_budget(config, plan.steps * plan.tokens_per_step)
+    # --- every check, before any data is read or weights load: the plan (uptrain/train/plan/) ---
+    plan, tokenizer = check_run(config, accelerator)
+    lines, data_config = list(plan.lines), plan.config
+    if plan.config.data.train.teacher_samples is not None:  # the teacher writes the training text (once per run)
         enter("teacher-samples generation")
-        source, samples_line = ensure_teacher_samples(config, tokenizer, accelerator, folders.teacher)
-        data_config = dataclasses.replace(config, data=dataclasses.replace(config.data, train=source))
+        source, samples_line = ensure_teacher_samples(plan.config, tokenizer, accelerator, plan.folders.teacher)
+        data_config = dataclasses.replace(plan.config, data=dataclasses.replace(plan.config.data, train=source))
         lines.append(samples_line)
-    set_seed(config.seed)
+    set_seed(plan.config.seed)
     enter("data tokenization")
-    data = build_data(data_config, tokenizer, plan, accelerator, state.get("samples", 0))
-    check_validation_size(config, len(data.val))
-    identity = run_identity(config_dict, accelerator.mixed_precision, data.fingerprint)
-    if resume_from is not None:
-        check_checkpoint_identity(resume_from, state, identity)
-    grace_s, grace_source, grace_warning = stop_grace(config.stop_grace_s, os.environ)
+    data = build_data(data_config, tokenizer, plan, accelerator, plan.resumed.get("samples", 0))
+    plan = check_data(plan, len(data.val), data.fingerprint)
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:
-        _write_run_folder(config, run_dir, config_dict, data.held_out)
+        _write_run_folder(plan, data.held_out)
 
     # --- model, optional teacher, optimizer, loader ---
     enter("models loading")
-    model, teacher, optimizer, loader = _build_training(config, folders, accelerator, data.train)
+    model, teacher, optimizer, loader = _build_training(plan, accelerator, data.train)
     n_params = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters())
     n_trained = sum(param_numel(p) for p in accelerator.unwrap_model(model).parameters() if p.requires_grad)
-    accelerator.print(plan.describe(data_config, world, n_params, data.n_available, len(data.val)))
-    for line in [*lines, dtype_line, trainable_line(config.trainable, n_trained, n_params),
-                 *([stages_line(ranges)] if ranges else []), grace_line(grace_s, grace_source),
-                 *([grace_warning] if grace_warning else [])]:
+    accelerator.print(plan.describe(data_config, n_params, data.n_available, len(data.val)))
+    ranges = list(plan.stage_ranges)
+    for line in [*lines, plan.models.dtype_line, trainable_line(plan.config.trainable, n_trained, n_params),
+                 *([stages_line(ranges)] if ranges else []), grace_line(plan.grace_s, plan.grace_source),
+                 *([plan.grace_warning] if plan.grace_warning else [])]:
         accelerator.print(line)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    return Run(config, accelerator, plan, run_dir, resume_from, tokenizer, data.val,
-               model, teacher, optimizer, loader, metrics, folders, final_dtype, ranges, identity,
-               grace_s, state.get("write_s"))
+    metrics = MetricsLog(plan.run_dir / "metrics.jsonl", accelerator.is_main_process)
+    return Run(plan, accelerator, tokenizer, data.val, model, teacher, optimizer, loader, metrics,
+               plan.resumed.get("write_s"))
 
 
-def _resume_checks(config: TrainConfig, resume_from: Path | None,
-                   accelerator: Accelerator) -> tuple[TrainConfig, dict, list[str]]:
-    """(config, the checkpoint's trainer state or {}, lines for the plan) of a run that may resume.
-
-    The checkpoint's recorded identity is compared with the settings first (before any data is
-    read; the data's fingerprint once it is known, in setup_run). Elastic resume: on another
-    process count, grad_accum keeps the checkpoint's global batch (the returned config has it)."""
-    if resume_from is None:
-        return config, {}, []
-    world = accelerator.num_processes
-    state = checkpoint_state(resume_from)
-    recorded_data = (state.get("identity") or {}).get("data_fingerprint")
-    check_checkpoint_identity(resume_from, state, run_identity(to_dict(config), accelerator.mixed_precision,
-                                                               recorded_data))
-    accum = elastic_grad_accum(resume_from, state, world, config.batch.micro_batch, config.batch.grad_accum)
-    if accum == config.batch.grad_accum:
-        return config, state, []
-    written = state.get("processes", "?")
-    line = (f"checkpoint written by {written} process{'es' * (written != 1)}, resumed on {world}: "
-            f"grad_accum {config.batch.grad_accum} -> {accum} keeps the global batch of "
-            f"{accum * world * config.batch.micro_batch} sequences")
-    return dataclasses.replace(config, batch=dataclasses.replace(config.batch, grad_accum=accum)), state, [line]
-
-
-def _write_run_folder(config: TrainConfig, run_dir: Path, config_dict: dict, held_out) -> None:
+def _write_run_folder(plan: Plan, held_out) -> None:
     """The run folder as this start begins it (main process): cleared with overwrite, run.yaml
     written whole (a stop signal may come at any moment), the last stop's mark removed (this start
     continues that run), the held-out documents written for uptrain.eval."""
+    config, run_dir = plan.config, plan.run_dir
     if config.overwrite:
         clear_run_dir(run_dir, config.log.project)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)
     tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(yaml.safe_dump(config_dict, sort_keys=False))
+    tmp.write_text(yaml.safe_dump(plan.config_dict, sort_keys=False))
     os.replace(tmp, run_dir / RUN_FILE)
     if held_out is not None:
         write_held_out(run_dir, held_out["text"])
 
 
-def _build_training(config: TrainConfig, folders: ModelFolders, accelerator: Accelerator, train_blocks):
+def _build_training(plan: Plan, accelerator: Accelerator, train_blocks):
     """(model, teacher, optimizer, loader), prepared by accelerate (the model sharded first with shard=fsdp2)."""
-    model, teacher = _load_models(config, folders, accelerator)
+    config = plan.config
+    model, teacher = _load_models(config, plan.folders, accelerator)
     if config.shard == "fsdp2":  # sharded by the trainer, before the optimizer sees the parameters
         model = shard.shard_model(model, accelerator, config.gradient_checkpointing, config.compile)
     optimizer = make_optimizer(model, config.optim)
@@ -194,12 +142,6 @@ def _build_training(config: TrainConfig, folders: ModelFolders, accelerator: Acc
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     return model, teacher, optimizer, loader
-
-
-def grace_line(grace_s: float | None, source: str) -> str:
-    """The plan's line on stop signals and the grace this run assumes."""
-    grace = "unknown" if grace_s is None else f"{grace_s:g} s"
-    return f"stop signals (SIGTERM, SIGUSR1, Ctrl-C): checkpoint after the step, exit 75; grace {grace} ({source})"
 
 
 def _load_models(config: TrainConfig, folders: ModelFolders,
@@ -230,7 +172,7 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
 
     Returns the first step to run and the iterator of the run's remaining micro batches.
     """
-    start_step = checkpoint_state(run.resume_from)["step"] if run.resume_from is not None else 0
+    start_step = run.plan.resumed["step"] if run.resume_from is not None else 0
     accum = run.config.batch.grad_accum
     # Skip what the interrupted run already consumed: the data order is fixed by the seed (a
     # stream was already started after the consumed blocks in setup_run).

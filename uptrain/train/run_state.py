@@ -9,7 +9,8 @@ A checkpoint is written into `checkpoints/.tmp-...`, fsynced, marked complete (t
 written last) and renamed into place: a kill at any point leaves it complete or absent, and a
 folder without the mark is never taken as latest. A checkpoint records the process count and the
 global batch (samples / step); a resume on another count keeps that batch by adjusting grad_accum
-(`elastic_grad_accum`).
+(`elastic_grad_accum`). What a new start checks of the folder (may it be used, which checkpoint a
+resume continues, is it this run's) is the plan's: uptrain/train/plan/resume.py, re-exported here.
 """
 
 from __future__ import annotations
@@ -22,84 +23,16 @@ import shutil
 import time
 from pathlib import Path
 
-import yaml
 from accelerate import Accelerator
 
 from uptrain.convert.io.output_dir import fsync_path
-from uptrain.errors import UsageError
-from uptrain.train.identity import config_identity, describe_changes, identity_changes
+from uptrain.train.plan.resume import (  # noqa: F401 (public here too)
+    RUN_OUTPUTS, check_checkpoint_identity, check_run_dir, checkpoint_state, elastic_grad_accum,
+)
 from uptrain.train.preempt import signal_in_checkpoint_hook
 from uptrain.train.run_files import (  # noqa: F401 (public here too)
     FINISHED_FILE, PREEMPTED_FILE, RUN_FILE, STATE_FILE, complete_checkpoints,
 )
-
-_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE, "held_out.jsonl")
-
-
-def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrite: bool) -> Path | None:
-    """Check that `run_dir` may be used; return the checkpoint to resume from (or None).
-
-    Raises UsageError when the folder holds another run's state (unless `overwrite`), or when
-    `resume` names nothing usable.
-    """
-    run_file = run_dir / RUN_FILE
-    has_state = any((run_dir / name).exists() for name in _RUN_OUTPUTS)
-    if resume and overwrite:
-        raise UsageError("resume and overwrite=true contradict each other; choose one")
-    if resume is None:
-        if has_state and not overwrite:
-            raise UsageError(
-                f"run folder {run_dir} already holds a run; set resume=latest to continue it, "
-                "overwrite=true to replace it, or choose another run_dir"
-            )
-        return None
-    if run_file.is_file():
-        stored = yaml.safe_load(run_file.read_text()) or {}
-        recorded, now = config_identity(stored), config_identity(config_dict)
-        changed = identity_changes(recorded, now)
-        if changed:
-            raise UsageError(
-                f"run folder {run_dir} holds another run's state (differs in: {describe_changes(changed, recorded, now)}); "
-                "resume with the config it was started with, or use another run_dir (or overwrite=true without resume)"
-            )
-    finished = run_dir / FINISHED_FILE
-    if finished.is_file():
-        # Resuming would redo the steps after the last checkpoint and overwrite model/.
-        record = json.loads(finished.read_text())
-        raise UsageError(
-            f"run {run_dir} is finished ({record.get('steps')} steps, {record.get('tokens'):,} tokens, "
-            f"val loss {record.get('val_loss', float('nan')):.4f}); to train further start a new run from it: "
-            f"model={run_dir / 'model'} run_dir=NEW_FOLDER"
-        )
-    if resume == "latest":
-        done = complete_checkpoints(run_dir)
-        return done[-1] if done else None  # nothing saved yet: start from the beginning
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise UsageError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
-    owner = path.resolve().parent.parent
-    if owner != run_dir.resolve():
-        # Its metrics, run.yaml and later checkpoints live in its own folder: continuing it elsewhere
-        # would leave a run without the records of its first steps (or mix two runs in one folder).
-        raise UsageError(
-            f"checkpoint {path} belongs to the run in {owner}, not to run_dir {run_dir}: continue that run with "
-            f"run_dir={owner} resume=latest (and its config), or start a new run without resume"
-        )
-    return path
-
-
-def check_checkpoint_identity(path: Path, state: dict, now: dict) -> None:
-    """UsageError naming what differs when checkpoint `path` (its trainer state `state`) was written
-    by a run of another identity than `now` (uptrain.train.identity.run_identity)."""
-    recorded = state.get("identity")
-    if not recorded:  # written before checkpoints recorded their run's identity: run.yaml was compared
-        return
-    changed = identity_changes(recorded, now)
-    if changed:
-        raise UsageError(
-            f"checkpoint {path} was written by a run with other settings: {describe_changes(changed, recorded, now)}; "
-            "resume with the settings it was written with, or start a new run (another run_dir, without resume)"
-        )
 
 
 def mark_finished(run_dir: Path, record: dict) -> None:
@@ -111,7 +44,7 @@ def mark_finished(run_dir: Path, record: dict) -> None:
 
 def clear_run_dir(run_dir: Path, tracker_dir: str) -> None:
     """Remove a previous run's outputs (only what this trainer writes, incl. `tracker_dir`)."""
-    for name in (*_RUN_OUTPUTS, PREEMPTED_FILE, tracker_dir):
+    for name in (*RUN_OUTPUTS, PREEMPTED_FILE, tracker_dir):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -186,34 +119,6 @@ def _fsync_tree(root: Path) -> None:
             with contextlib.suppress(FileNotFoundError):
                 fsync_path(Path(here) / name)
         fsync_path(Path(here))
-
-
-def checkpoint_state(path: Path) -> dict:
-    """The trainer state of a complete checkpoint: step, samples, tokens, processes."""
-    return json.loads((path / STATE_FILE).read_text())
-
-
-def elastic_grad_accum(path, state: dict, world: int, micro_batch: int, grad_accum: int) -> int:
-    """The grad_accum that keeps checkpoint `path`'s global batch on `world` processes.
-
-    The global batch (micro_batch x grad_accum x processes, stored as samples / step) fixes the
-    steps, the data each step sees and the LR schedule; `world` processes keep it when it is a
-    whole multiple of micro_batch x world. Raises UsageError (one line) naming the process counts
-    that do when it is not.
-    """
-    if not state.get("step"):
-        return grad_accum
-    global_batch = state["samples"] // state["step"]
-    if global_batch % (micro_batch * world) == 0:
-        return global_batch // (micro_batch * world)
-    written = state.get("processes") or global_batch // (micro_batch * grad_accum)
-    per_micro = global_batch // micro_batch if global_batch % micro_batch == 0 else 0
-    counts = [m for m in range(1, per_micro + 1) if per_micro % m == 0]
-    raise UsageError(
-        f"checkpoint {path} was written with a global batch of {global_batch} sequences ({written} processes); "
-        f"{world} processes x micro_batch {micro_batch} cannot keep it with a whole grad_accum: "
-        f"resume on {', '.join(map(str, counts))} processes (grad_accum is set to keep the global batch)"
-    )
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, load_extra=None) -> dict:

@@ -27,43 +27,11 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from uptrain.errors import UsageError
+from uptrain.train.plan.launch import check_compile, check_fsdp2  # noqa: F401 (public here too)
 
 SHARDED_STATE = "sharded_state"  # the torch.distributed.checkpoint folder inside a checkpoint
-
-
-def check_fsdp2(config, accelerator: Accelerator) -> None:
-    """Refuse the launches and settings that `shard: fsdp2` does not cover (UsageError)."""
-    kind = accelerator.distributed_type
-    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        raise UsageError(f"shard=fsdp2 needs one process or a plain multi-process launch (accelerate launch "
-                         f"--multi_gpu --num_processes N, or torchrun), got {kind.value}; for accelerate's own "
-                         "FSDP/DeepSpeed leave shard unset")
-    if accelerator.mixed_precision not in ("no", "bf16"):
-        raise UsageError(f"shard=fsdp2 takes mixed_precision no or bf16, got {accelerator.mixed_precision} (fp16 "
-                         "would need a sharded loss scaler); use bf16")
-
-
-def check_compile(device_type: str) -> None:
-    """Refuse `compile=true` (UsageError) where torch.compile's inductor cannot build kernels:
-    on CPU it needs a C++ compiler, on a GPU Triton; otherwise the run fails inside its first step."""
-    if device_type == "cpu":
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        try:
-            get_cpp_compiler()
-        except Exception as err:  # inductor's InvalidCxxCompiler and the like
-            raise UsageError(f"compile=true needs a C++ compiler for torch.compile on CPU and none works "
-                             f"({type(err).__name__}; inductor tries $CXX, else g++); install g++ or set "
-                             "compile=false") from None
-    elif device_type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            raise UsageError("compile=true needs Triton for torch.compile on a GPU and it is not usable here; "
-                             "pip install triton (it comes with CUDA builds of torch) or set compile=false")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -16,7 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,18 +41,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from uptrain.train.report import MetricsLog
-    from uptrain.train.setup import ModelFolders, RunPlan
+    from uptrain.train.plan.checked import Plan
 
 
 @dataclass
 class Run:
-    """Everything one run holds from set-up to finish (what nanoGPT keeps in globals)."""
+    """Everything one run holds from set-up to finish (what nanoGPT keeps in globals): the checked
+    plan (read, never checked again) and what set-up built from it."""
 
-    config: TrainConfig
+    plan: Plan  # uptrain.train.plan: the config as checked, the budget in steps, the models' facts
     accelerator: Accelerator
-    plan: RunPlan
-    run_dir: Path
-    resume_from: Path | None  # the checkpoint to continue from, None for a fresh run
     tokenizer: PreTrainedTokenizerBase
     val_blocks: Any  # datasets.Dataset of validation blocks
     model: torch.nn.Module
@@ -60,12 +58,18 @@ class Run:
     optimizer: torch.optim.Optimizer
     loader: DataLoader
     metrics: MetricsLog
-    folders: ModelFolders  # local folders of model, tokenizer, teacher (a Hub id resolved to its cache)
-    save_dtype: torch.dtype  # of the final model/
-    trainable_ranges: list = field(default_factory=list)  # (first, end step, trainable) per stage
-    identity: dict = field(default_factory=dict)  # uptrain.train.identity.run_identity, in every checkpoint
-    grace_s: float | None = None  # seconds between a stop signal and the kill (None: unknown)
     checkpoint_s: float | None = None  # how long the last checkpoint took to write (a resumed run: its checkpoint's)
+
+    # What the plan holds, by the names the steps read it by.
+    config = property(lambda self: self.plan.config, doc="The config as checked (TrainConfig).")
+    run_dir = property(lambda self: self.plan.run_dir, doc="The run folder.")
+    resume_from = property(lambda self: self.plan.resume_from, doc="The checkpoint continued from, or None.")
+    folders = property(lambda self: self.plan.folders, doc="Local folders of model, tokenizer, teacher.")
+    save_dtype = property(lambda self: self.plan.models.save_dtype, doc="The dtype of the final model/.")
+    trainable_ranges = property(lambda self: list(self.plan.stage_ranges),
+                                doc="(first, end step, trainable) per stage.")
+    identity = property(lambda self: self.plan.identity, doc="run_identity, recorded in every checkpoint.")
+    grace_s = property(lambda self: self.plan.grace_s, doc="Seconds between a stop signal and the kill, or None.")
 
     def log(self, record: dict) -> None:
         """One metrics record to metrics.jsonl and to the trackers."""

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig
 from uptrain.data import DataSource, TeacherSamples
-from uptrain.errors import UsageError
+from uptrain.train.plan.budget import check_samples_budget  # noqa: F401 (public here too)
 
 FOLDER = "teacher_samples"
 SAMPLES = "samples.jsonl"
@@ -138,17 +138,6 @@ def new_tokens_cap(model: torch.nn.Module, ts: TeacherSamples, prompt_width: int
     sampled past its max_position_embeddings writes text it was never trained to write)."""
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return ts.max_new_tokens if not context else max(1, min(ts.max_new_tokens, context - prompt_width))
-
-
-def check_samples_budget(config: TrainConfig, budget_tokens: int) -> None:
-    """UsageError before any generation when the samples asked for cannot cover the budget without
-    data.repeat_data (the exact check, on the packed blocks, follows the generation)."""
-    ts = config.data.train.teacher_samples
-    if ts is not None and not config.data.repeat_data and ts.tokens < budget_tokens:
-        raise UsageError(
-            f"data.train.teacher_samples.tokens {ts.tokens:,} is below the budget of {budget_tokens:,} tokens: "
-            f"raise it to at least {budget_tokens:,}, or set data.repeat_data=true to train on the samples "
-            "more than once (checked before generating)")
 
 
 def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,

@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from uptrain.convert.registry.architectures import Attention, attention_for, supported_model_types
+from uptrain.convert.registry.architectures import Attention, attention_for
 from uptrain.errors import UsageError
 
 TRAINABLE = ("all", "attention", "kv")
@@ -30,13 +30,6 @@ def check_trainable(value: str) -> None:
     """UsageError unless `value` names a set of parameters."""
     if value not in TRAINABLE:
         raise UsageError(f"unknown trainable {value!r}; use one of {', '.join(TRAINABLE)}")
-
-
-def check_trainable_model(value: str, model_type: str, model: str) -> None:
-    """UsageError when `value` restricts training on a model whose names the registry does not know."""
-    if value != "all" and model_type not in supported_model_types():
-        raise UsageError(f"trainable={value} selects parameters by the converter registry's names, which do not "
-                         f"cover model type {model_type!r} of {model}; use trainable=all")
 
 
 def trainable_pattern(value: str, attention: Attention | None) -> re.Pattern[str] | None:
@@ -95,22 +88,6 @@ def apply_trainable(model: torch.nn.Module, value: str, *others: str) -> tuple[i
 def trainable_line(value: str, trained: int, total: int) -> str:
     """The plan's line: `trainable: kv (N of M parameters)`."""
     return f"trainable: {value} ({trained:,} of {total:,} parameters)"
-
-
-def stage_steps(stages: list, tokens_per_step: int, steps: int, final: str) -> list[tuple[int, int, str]]:
-    """`trainable_stages` as (first step, end step, trainable) ranges of 0-based optimizer steps,
-    the rest of the run (if any) with `final`; UsageError for a stage shorter than one step."""
-    ranges, start = [], 0
-    for i, stage in enumerate(stages):
-        n = stage.tokens // tokens_per_step
-        if n < 1:
-            raise UsageError(f"trainable_stages[{i}] has {stage.tokens:,} tokens, less than one optimizer step of "
-                             f"{tokens_per_step:,} tokens; give it more tokens")
-        ranges.append((start, start + n, stage.trainable))
-        start += n
-    if start < steps:
-        ranges.append((start, steps, final))
-    return ranges
 
 
 def trainable_at(ranges: list[tuple[int, int, str]], step: int) -> str:
