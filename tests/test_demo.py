@@ -5,6 +5,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from conftest import EXAMPLE_MHA8, TRAIN_TXT, built_gqa4
 from uptrain.data import DataSource, read_documents
@@ -34,6 +35,8 @@ def test_demo_converts_uptrains_and_reports(tmp_path, capsys):
     assert [r[0] for r in rows] == ["MHA source", "GQA-2, converted", "GQA-2, uptrained"]
     assert all(0.0 <= float(acc) <= 1.0 for _, acc, _ in rows)
     assert "stories_name/exact_match ± stderr" in tasks  # the generating task: greedy text, not log-likelihoods
+    # the refinement's line per layer is uptrain.convert's, with the layers done and the time left
+    assert re.search(r"\n   refine layer 4: held-out error [0-9.]+ -> [0-9.]+ .*\[5/5 layers, ~\d+ s left\]", out)
 
 
 def test_stories_counts_whole_stories_not_lines(tmp_path, capsys):
@@ -172,3 +175,20 @@ def test_out_replaces_an_earlier_demo_whole_and_refuses_another_folder(tmp_path,
     (other / "notes.txt").write_text("mine")
     assert main([*argv[2:], "--out", str(other)]) == 2
     assert "not make" in capsys.readouterr().err and (other / "notes.txt").read_text() == "mine"
+
+
+def test_the_demo_converts_as_uptrain_convert_with_the_same_options(tmp_path, capsys):
+    """One rule for which conversions read the calibration text: mean pooling with similar-head grouping
+    is calibrated by the demo as by uptrain.convert (the demo once calibrated only fit and refine)."""
+    from safetensors.torch import load_file
+
+    from uptrain.convert.__main__ import main as convert_main
+
+    assert main(["--out", str(tmp_path / "demo"), "--method", "mean", "--grouping", "similar", "--calib-tokens", "4096",
+                 "--refine-steps", "0", "--skip-uptrain", "--tasks", "none", "--stories", "1"]) == 0
+    assert "calibrated on 4,096 tokens" in capsys.readouterr().out
+    assert convert_main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "mean", "--grouping", "similar", "--calib",
+                         str(TRAIN_TXT), "--calib-tokens", "4096", "--out", str(tmp_path / "plain")]) == 0
+    ours, plain = (load_file(next(f.glob("*.safetensors"))) for f in (tmp_path / "demo" / "stories260K-gqa2",
+                                                                       tmp_path / "plain"))
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)

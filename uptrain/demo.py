@@ -39,6 +39,7 @@ from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.convert.registry.choices import GROUPINGS, METHODS
 from uptrain.convert.io.hfconfig import model_shape, source_family, stored_kv_bytes_per_token
+from uptrain.convert.options import DEFAULT_REFINE_STEPS
 from uptrain.convert.pipeline import check_kv_heads
 from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
@@ -52,7 +53,7 @@ EXAMPLES = REPO / "examples"
 CONFIG = REPO / "configs" / "demo-cpu.yaml"
 VALID = EXAMPLES / "data" / "tinystories-valid-sample.txt"
 TRAIN = EXAMPLES / "data" / "tinystories-train-sample.txt"
-REFINE_STEPS = 1200  # the converter's --refine-steps default (results/refine-uptrain.md: the demo's goal needs it)
+REFINE_STEPS = DEFAULT_REFINE_STEPS  # the converter's --refine-steps default
 OWN_MODEL_LR = 1e-4  # 1/3 of 3e-4, a common pre-training peak; configs/demo-cpu.yaml's 1e-3 is tuned to stories260K
 HELD_OUT_SHARE = 0.1  # of --data's documents, when no --valid
 BUNDLED_TASKS = "stories_cloze,stories_ending,stories_name"  # TinyStories tasks (uptrain/measure/task_data/); the last generates
@@ -217,18 +218,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path) -> tuple[Path, str]:
-    """Convert `source` into OUT/NAME-gqaK as the arguments say; (folder, method shown in the table).
-    A line per refined layer, with the time left, so the conversion is never silent for long."""
-    calibration, refine = None, None
-    refining = args.refine_steps > 0 and args.method != "random"
-    if args.calib_tokens > 0 and (args.method == "fit" or refining):
-        from uptrain.convert.layers.calibrate import Calibration
+    """Convert `source` into OUT/NAME-gqaK as the arguments say, with uptrain.convert's own rule for
+    which conversions read the calibration text (`ConversionOptions`: also --grouping similar); (folder,
+    method shown in the table). A line per refined layer, with the time left (convert's progress line)."""
+    from uptrain.convert.options import ConversionOptions
+    from uptrain.convert.progress import layer_progress, print_line
 
-        calibration = Calibration(train_text, args.calib_tokens, "cpu")
-        if refining:
-            from uptrain.convert.layers.refine_layer import RefineSettings
-
-            refine = RefineSettings(steps=args.refine_steps, log=layer_progress(model_shape(read_config(source)).layers))
+    calib = train_text if args.calib_tokens > 0 else None  # --calib-tokens 0: weights only
+    options = ConversionOptions(method=args.method, grouping=args.grouping, calib=calib,
+                                calib_tokens=max(args.calib_tokens, 1),
+                                refine=calib is not None and args.refine_steps > 0 and args.method != "random",
+                                refine_steps=max(args.refine_steps, 1))
+    layers = model_shape(read_config(source)).layers
+    calibration, refine = options.calibration(), options.refine_settings(log=layer_progress(layers, print_line, "   "))
     how = args.method + (f", {args.grouping} grouping" if args.grouping != "contiguous" else "")
     how += f", calibrated on {args.calib_tokens:,} tokens of {train_text.name}" if calibration else ""
     how += f", refined (at most {args.refine_steps} steps per layer)" if refine else ""
@@ -238,19 +240,6 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
             grouping=args.grouping, refine=refine)
     interrupt.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
     return converted, args.method + (" + refine" if refine else "")
-
-
-def layer_progress(layers: int):
-    """A RefineSettings.log that prints each layer's line with the layers done and the time left."""
-    import time
-
-    began, done = time.monotonic(), [0]
-
-    def log(line: str) -> None:
-        done[0] += 1
-        left = (time.monotonic() - began) / done[0] * (layers - done[0])
-        print(f"   {line} [{done[0]}/{layers} layers, ~{left:.0f} s left]", flush=True)
-    return log
 
 
 def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int) -> Path:

@@ -25,16 +25,6 @@ def test_each_call_is_one_more_layer_and_the_time_left_is_extrapolated():
     assert progress_line("x", 2, 4, 10.0, indent="   ") == "   x [2/4 layers, ~10 s left]"
 
 
-def test_the_demo_prints_the_same_format(capsys):
-    from uptrain.demo import layer_progress as demo_progress
-
-    demo_progress(3)("refine layer 0: held-out error 1.0 -> 0.5")
-    demo = capsys.readouterr().out.rstrip("\n")
-    ours: list[str] = []
-    layer_progress(3, ours.append, indent="   ")("refine layer 0: held-out error 1.0 -> 0.5")
-    assert re.sub(r"~\d+ s", "~S s", demo) == re.sub(r"~\d+ s", "~S s", ours[0])
-
-
 @pytest.mark.parametrize(("argv", "what"), [
     (["--method", "fit"], r"layer \d converted \(fit\)"),
     (["--refine", "--refine-steps", "2"], r"refine layer \d: held-out error [\d.]+ -> [\d.]+ \(\d+ steps, [\d.]+ s\)"),
