@@ -1,4 +1,4 @@
-"""Seconds of one trainer checkpoint (uptrain.train.run_state.save_checkpoint) against the size of the state.
+"""Seconds of one trainer checkpoint (uptrain.train.state.run_state.save_checkpoint) against the size of the state.
 
 One process (the model and AdamW state written by rank 0 through accelerate's save_state):
 
@@ -6,7 +6,7 @@ One process (the model and AdamW state written by rank 0 through accelerate's sa
         --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-1p.jsonl
 
 Two processes, DDP on CPU (rank 0 still writes everything) and the sharded path
-(uptrain.train.shard.shard_model + save_sharded: every rank writes its shard with
+(uptrain.train.parallel.shard.shard_model + save_sharded: every rank writes its shard with
 torch.distributed.checkpoint, as `shard: fsdp2` runs do):
 
     .venv/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
@@ -45,8 +45,8 @@ import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import uptrain.train.run_state as run_state
-from uptrain.train import shard
+import uptrain.train.state.run_state as run_state
+from uptrain.train.parallel import shard
 
 # hidden, layers, intermediate, heads (MHA: kv heads = heads); vocab 32000 for all.
 SHAPES = {

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from uptrain.data import TeacherSamples
-from uptrain.train.teacher_samples import generate_documents
+from uptrain.train.model.teacher_samples import generate_documents
 
 
 def main() -> None:

@@ -27,11 +27,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from uptrain.data import DataSource, documents
 from uptrain.data.blocks import token_blocks
-from uptrain.train.losses import lm_loss_sum
-from uptrain.train.mfu import mfu, model_flops_per_token
+from uptrain.train.model.losses import lm_loss_sum
+from uptrain.train.report.mfu import mfu, model_flops_per_token
 from uptrain.train import train
 from uptrain.train.config import load_config
-from uptrain.train.report import MetricsLog
+from uptrain.train.report.report import MetricsLog
 from uptrain.train.setup import make_optimizer
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"
@@ -158,7 +158,7 @@ def main() -> None:
             return
         reference = AutoModelForCausalLM.from_pretrained(model_path)
         n_params = sum(p.numel() for p in reference.parameters())
-        per_token = model_flops_per_token(reference, args.seq_len)  # uptrain/train/mfu.py: 6N + attention
+        per_token = model_flops_per_token(reference, args.seq_len)  # uptrain/train/report/mfu.py: 6N + attention
         hand, ours = [], []
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
             hand.append(hand_loop(args, model_path))

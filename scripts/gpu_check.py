@@ -15,7 +15,7 @@ Runs (each a fresh process, as a user launches it; configs/demo-cpu.yaml + overr
 
 Tokens/s is the steady state: between the first metrics record after `--warmup` steps (compile
 and first steps excluded) and the last one, from the records' cumulative tokens / tok_per_s.
-MFU uses uptrain/train/mfu.py (6N + attention FLOPs, the bf16 dense peak of the detected GPU;
+MFU uses uptrain/train/report/mfu.py (6N + attention FLOPs, the bf16 dense peak of the detected GPU;
 GPU_CHECK_PEAK_TFLOPS overrides, e.g. for a GPU not in the table).
 
 Environment: GPU_CHECK_TINY=1, GPU_CHECK_STEPS, GPU_CHECK_WORK (default runs/gpu-check),
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from uptrain.train.mfu import bf16_peak_tflops, mfu, model_flops_per_token
+from uptrain.train.report.mfu import bf16_peak_tflops, mfu, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo-cpu.yaml"

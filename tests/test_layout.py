@@ -127,9 +127,9 @@ def test_no_function_is_longer_than_75_lines():
 
 # The trainer's run plan (uptrain/train/plan/): made before anything is built, so it reads the
 # config, the launch and the run folder, never a module that builds or runs the training.
-TRAIN_BUILDS = {"uptrain.train.loop", "uptrain.train.steps", "uptrain.train.setup", "uptrain.train.report",
-                "uptrain.train.run_state", "uptrain.train.runtime", "uptrain.train.shard",
-                "uptrain.train.teacher_samples", "uptrain.train.validate", "uptrain.train.__main__"}
+TRAIN_BUILDS = {"uptrain.train.loop", "uptrain.train.steps", "uptrain.train.setup", "uptrain.train.report.report",
+                "uptrain.train.state.run_state", "uptrain.train.parallel.shard",
+                "uptrain.train.model.teacher_samples", "uptrain.train.model.validate", "uptrain.train.__main__"}
 
 
 def test_the_run_plan_imports_nothing_that_builds_or_runs():
@@ -139,4 +139,60 @@ def test_the_run_plan_imports_nothing_that_builds_or_runs():
     page = (REPO / "docs" / "layout.md").read_text()
     row = next(line for line in page.splitlines() if line.startswith("| `uptrain/train/` |"))
     present = {p.stem for p in (PACKAGE / "train" / "plan").glob("*.py") if p.stem != "__init__"}
+    assert present <= set(re.findall(r"`(\w+)\.py`", row)), sorted(present - set(re.findall(r"`(\w+)\.py`", row)))
+
+
+# The trainer's rooms (uptrain/train/<room>/), from the ground up: each imports only the rooms
+# listed for it and `uptrain.train.config` (the run's options, read by every room); none imports
+# the top's loop, steps, set-up or CLI. The top holds the entry points and the loop, at most 8 modules.
+TRAIN_ROOMS = ["stop", "state", "plan", "model", "parallel", "report"]
+TRAIN_MAY_IMPORT = {"stop": set(), "state": {"stop"}, "plan": {"stop", "state"}, "model": set(),
+                    "parallel": set(), "report": {"parallel"}}
+TRAIN_GROUND = {"uptrain.train.config"}
+
+
+def train_room(name: str) -> str | None:
+    """The trainer's room of a module ('state'), '' for the trainer's top, None outside the trainer."""
+    parts = name.split(".")
+    if parts[:2] != ["uptrain", "train"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in TRAIN_ROOMS else ""
+
+
+def test_the_trainer_rooms_import_only_downwards():
+    wrong = []
+    for name, deps in GRAPH.items():
+        mine = train_room(name)
+        if not mine:
+            continue
+        for dep in deps:
+            theirs = train_room(dep)
+            if theirs is None or theirs == mine or dep in TRAIN_GROUND:
+                continue
+            if theirs == "" or theirs not in TRAIN_MAY_IMPORT[mine]:
+                wrong.append(f"{name} -> {dep}")
+    assert not wrong, wrong
+
+
+def test_a_broken_trainer_rule_is_seen():
+    """The trainer's room check goes red too: the run's state importing the plan is an arrow up."""
+    global GRAPH
+    saved = GRAPH
+    GRAPH = {**GRAPH, "uptrain.train.state.run_state": GRAPH["uptrain.train.state.run_state"]
+             | {"uptrain.train.plan.resume"}}
+    try:
+        with pytest.raises(AssertionError, match="state.run_state -> uptrain.train.plan.resume"):
+            test_the_trainer_rooms_import_only_downwards()
+    finally:
+        GRAPH = saved
+
+
+def test_the_trainer_top_is_small_and_the_layout_page_names_every_trainer_module():
+    top = {p.stem for p in (PACKAGE / "train").glob("*.py")}
+    assert len(top) <= 8, sorted(top)
+    rooms = {p.name for p in (PACKAGE / "train").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == set(TRAIN_ROOMS), sorted(rooms ^ set(TRAIN_ROOMS))
+    page = (REPO / "docs" / "layout.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `uptrain/train/` |"))
+    present = {p.stem for p in (PACKAGE / "train").rglob("*.py") if p.stem != "__init__"}
     assert present <= set(re.findall(r"`(\w+)\.py`", row)), sorted(present - set(re.findall(r"`(\w+)\.py`", row)))

@@ -154,7 +154,7 @@ def end_after_training_stop(err: BaseException) -> None:
     a step (its checkpoint written), a second Ctrl-C. Such a stop ends this CLI as any other stop
     does: the folders being written removed, one line, exit 128 + the signal. Any other error is
     left to the caller (this returns)."""
-    name = getattr(err, "signal_name", None)  # stopsignals.Stopped and train.preempt.Preempted carry it
+    name = getattr(err, "signal_name", None)  # stopsignals.Stopped and train.stop.preempt.Preempted carry it
     if isinstance(err, KeyboardInterrupt) and name is None:
         name = "SIGINT"
     if not _state["installed"] or name not in signal.Signals.__members__:

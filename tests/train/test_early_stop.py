@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from train_helpers import DEMO, REPO, need_models, tiny_overrides
-from uptrain.train.preempt import EXIT_PREEMPTED
-from uptrain.train.run_state import PREEMPTED_FILE
+from uptrain.train.stop.preempt import EXIT_PREEMPTED
+from uptrain.train.state.run_state import PREEMPTED_FILE
 
 STEPS = 100  # ~0.1 s a step: a stop after the first step lands long before the end
 SETUP_PHASES = ("imports", "checks", "data tokenization", "models loading", "step-0 evaluation")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from uptrain.train.eta import SKIP_STEPS, EtaTracker, eta_seconds, format_eta
+from uptrain.train.report.eta import SKIP_STEPS, EtaTracker, eta_seconds, format_eta
 
 
 def _ends(durations, start=100.0):

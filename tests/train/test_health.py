@@ -13,7 +13,7 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, need_models, read_metrics, tiny_overrides, train_losses
 from uptrain.train import train
 from uptrain.train.config import load_config
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.state.run_state import complete_checkpoints
 
 STEPS = 8
 
@@ -113,7 +113,7 @@ def test_a_bad_step_between_checks_is_not_checkpointed_by_a_stop_signal(tmp_path
     # update, so the run ends diverged (naming step 3) before anything of step 3 is applied or
     # written, not with a checkpoint of NaN weights that resume=latest would continue from.
     from uptrain.train.loop import TrainingDiverged, resume_state, setup_run, train_steps
-    from uptrain.train.preempt import StopRequest
+    from uptrain.train.stop.preempt import StopRequest
 
     need_models()
     run_dir = tmp_path / "run"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from uptrain.train.mfu import bf16_peak_tflops, flops_per_token, mfu, model_flops_per_token
+from uptrain.train.report.mfu import bf16_peak_tflops, flops_per_token, mfu, model_flops_per_token
 
 
 @pytest.mark.parametrize("tied", [True, False])

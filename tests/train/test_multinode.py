@@ -21,7 +21,7 @@ import torch
 from tiny import weights
 from train_helpers import (DEMO, REPO, SGD_STEPS, SGD_TWO_PROCESSES, need_models, read_metrics, tiny_overrides,
                            train_losses)
-from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
+from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
 
 SCRIPT = REPO / "scripts" / "launch_multinode.sh"
 STEPS = SGD_STEPS
@@ -146,7 +146,7 @@ def test_a_run_folder_that_machines_do_not_share_is_refused_before_anything_is_w
 ORDER_PROGRAM = """
 import os, sys, time
 from pathlib import Path
-from uptrain.train.runtime import caches_filled_in_turn, make_accelerator
+from uptrain.train.setup import caches_filled_in_turn, make_accelerator
 from uptrain.train.config import load_config
 
 config = load_config(sys.argv[1], sys.argv[2:])

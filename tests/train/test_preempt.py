@@ -18,9 +18,9 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overrides, train_losses
 from test_train_multiproc import _free_port
 from uptrain.train.__main__ import main
-from uptrain.train.run_state import PREEMPTED_FILE
-from uptrain.train.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
+from uptrain.train.state.run_state import PREEMPTED_FILE
+from uptrain.train.stop.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
 
 STEPS = 12  # a signal sent at step k <= 5 lands well before the end, however slow the machine
 RNG = random.Random(21)  # the "random step" of each test, reproducible
@@ -174,7 +174,7 @@ def test_sigusr1_on_one_of_two_processes_stops_both_at_the_same_step_and_resumes
 def test_one_ctrl_c_delivered_twice_is_one_press_and_a_later_second_press_stops_at_once():
     # A terminal sends Ctrl-C to the launcher and its workers, and the launcher forwards it again:
     # SIGINTs within SAME_PRESS_S are one press (checkpoint and stop); one later stops at once.
-    from uptrain.train.preempt import SAME_PRESS_S, StopRequest
+    from uptrain.train.stop.preempt import SAME_PRESS_S, StopRequest
 
     before = signal.getsignal(signal.SIGTERM)
     with StopRequest().installed() as stop:
@@ -252,7 +252,7 @@ def test_sigterm_to_the_launcher_during_a_45_s_checkpoint_completes_it_when_the_
 
 
 def test_the_grace_comes_from_the_config_the_launch_script_or_torchrun_and_a_short_torchrun_is_named():
-    from uptrain.train.preempt import stop_grace
+    from uptrain.train.stop.preempt import stop_grace
 
     torchrun = {"TORCHELASTIC_RUN_ID": "x"}
     assert stop_grace(None, {}) == (None, "no deadline known (set stop_grace_s to the scheduler's grace)", None)
@@ -271,7 +271,7 @@ def test_a_stop_checkpoint_is_skipped_exactly_when_the_last_write_is_longer_than
     # Over the whole range of "what is left": from the whole grace (the signal came just now) to
     # none and past it (a long step used it up), writes just under and just over what is left, each
     # also under the whole grace: the whole grace is never the measure once any of it is used.
-    from uptrain.train.preempt import checkpoint_overruns, seconds_left
+    from uptrain.train.stop.preempt import checkpoint_overruns, seconds_left
 
     rng = random.Random(5)
     for grace in (1.0, 3.0, 30.0, 300.0, 3600.0):

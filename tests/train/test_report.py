@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 
 from train_helpers import REPO, fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from uptrain.train.report import save_final_model
+from uptrain.train.report.report import save_final_model
 
 DEMO_MODEL = REPO / "examples" / "stories260K-mha8"  # ships with the repository
 

@@ -11,7 +11,8 @@ import pytest
 from train_helpers import DEMO, fresh_accelerate_state, need_models, tiny_overrides  # noqa: F401 (autouse)
 from uptrain.train.__main__ import main
 from uptrain.errors import UsageError
-from uptrain.train.run_state import STATE_FILE, check_run_dir, complete_checkpoints
+from uptrain.train.plan.resume import check_run_dir
+from uptrain.train.state.run_state import STATE_FILE, complete_checkpoints
 
 
 def test_checkpoints_of_a_tied_model_are_saved_without_the_shared_tensor_warning(tmp_path, capfd, caplog):

@@ -19,8 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import (DEMO, GQA4, MHA8, REPO, need_models, read_metrics, stories_new_to_the_model, tiny_overrides,
                            train_losses)
-from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
-from uptrain.train.losses import kd_loss_sum, lm_loss_sum
+from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
+from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
 from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config

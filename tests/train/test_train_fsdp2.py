@@ -18,7 +18,7 @@ from train_helpers import (DEMO, PAIR_STEPS as STEPS, train_in_process, GQA4, ne
                            tiny_overrides, train_losses)
 from test_train_multiproc import launch_two_processes
 from uptrain.train.config import load_config
-from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
+from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
 
 # AdamW (its state is sharded and checkpointed too); grad_norm is logged before the update, so a
 # gradient off by the process count shows there. Validation on 3 blocks: uneven over 2 processes.
@@ -101,7 +101,7 @@ def test_fsdp2_refuses_what_it_does_not_cover():
     from accelerate.utils import DistributedType
 
     from uptrain.errors import UsageError
-    from uptrain.train.shard import check_fsdp2
+    from uptrain.train.plan.launch import check_fsdp2
 
     config = load_config(DEMO, tiny_overrides("runs/x", shard="fsdp2"))
     plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, mixed_precision="no")

@@ -12,7 +12,7 @@ from tiny import weights
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import (DEMO, GQA4, SGD, SGD_STEPS, free_port, launch_two_processes, need_models, read_metrics,
                            tiny_overrides, train_losses)
-from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
+from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.train import train
 from uptrain.train.config import load_config
 

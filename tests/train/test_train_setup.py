@@ -13,9 +13,10 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, need_models, tiny_overrides
 from uptrain.errors import UsageError
 from uptrain.train.config import DistillConfig, OptimConfig, TrainConfig, load_config
-from uptrain.train.runtime import DeepSpeedFacts, check_deepspeed, make_accelerator
+from uptrain.train.plan.launch import DeepSpeedFacts, check_deepspeed
+from uptrain.train.setup import make_accelerator
 from uptrain.train.setup import lr_at
-from uptrain.train.validate import eval_share
+from uptrain.train.model.validate import eval_share
 
 
 def test_lr_schedule_warms_up_peaks_once_and_ends_at_the_minimum():
@@ -127,7 +128,7 @@ def test_a_launch_whose_fsdp_or_deepspeed_accelerate_dropped_is_refused():
     from accelerate.utils import DistributedType
 
     from uptrain.errors import UsageError
-    from uptrain.train.runtime import check_launch_honoured
+    from uptrain.train.plan.launch import check_launch_honoured
 
     for flag, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP), ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
         with pytest.raises(UsageError, match="drops"):
@@ -150,7 +151,7 @@ def test_weight_decay_and_parameter_counts_see_through_zero3_partitioning():
     2-process ZeRO-3 run, results/RESULTS.md: by p.dim() every matrix lost its weight decay,
     silently, and `trainable=all` matched "no parameter".)"""
     from uptrain.train.setup import make_optimizer
-    from uptrain.train.trainable import apply_trainable
+    from uptrain.train.model.trainable import apply_trainable
 
     model = torch.nn.Module()
     model.weight, model.norm = _zero3_partitioned((8, 4)), _zero3_partitioned((4,))

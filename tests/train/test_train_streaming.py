@@ -8,7 +8,7 @@ import pytest
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, TRAIN_TXT, need_models, read_metrics, stories_new_to_the_model, tiny_overrides, train_losses
-from uptrain.train.run_state import FINISHED_FILE, complete_checkpoints
+from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
 from uptrain.errors import UsageError
 from uptrain.train import train
 from uptrain.train.config import load_config

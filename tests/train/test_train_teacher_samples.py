@@ -15,7 +15,7 @@ from uptrain.measure.eval import evaluate, load_model, tokenize_texts
 from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.state.run_state import complete_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 STEPS = 8
@@ -115,7 +115,7 @@ def test_generation_is_seeded_and_starts_from_the_prompts(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from uptrain.data import TeacherSamples
-    from uptrain.train.teacher_samples import generate_documents
+    from uptrain.train.model.teacher_samples import generate_documents
 
     model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
     prompts = tmp_path / "prompts.txt"
@@ -142,7 +142,7 @@ def test_a_sample_is_split_into_documents_at_bos():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from uptrain.data.source import TeacherSamples
-    from uptrain.train.teacher_samples import generate_documents
+    from uptrain.train.model.teacher_samples import generate_documents
 
     model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
     for seed in range(2):
@@ -155,7 +155,7 @@ def test_a_sample_is_split_into_documents_at_bos():
 
 def test_split_at_bos_keeps_every_token_and_starts_each_document_at_bos():
     import random
-    from uptrain.train.teacher_samples import split_at_bos
+    from uptrain.train.model.teacher_samples import split_at_bos
 
     rng = random.Random(0)
     bos = 1
@@ -176,7 +176,7 @@ def test_samples_stay_within_the_teachers_context(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from uptrain.data import TeacherSamples
-    from uptrain.train.teacher_samples import ChunkStore, generate_documents
+    from uptrain.train.model.teacher_samples import ChunkStore, generate_documents
 
     teacher = tmp_path / "short-teacher"
     shutil.copytree(MHA8, teacher)

@@ -13,9 +13,9 @@ from train_helpers import DEMO, GQA4, need_models, tiny_overrides, train_losses
 from uptrain.train import train
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config
-from uptrain.train.run_state import complete_checkpoints
+from uptrain.train.state.run_state import complete_checkpoints
 from uptrain.convert.registry.architectures import attention_for
-from uptrain.train.trainable import apply_trainable, is_trainable
+from uptrain.train.model.trainable import apply_trainable, is_trainable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from uptrain.train.validate import validate_blocks
+from uptrain.train.model.validate import validate_blocks
 
 
 def _model(seed: int, heads: int, kv: int) -> LlamaForCausalLM:

@@ -31,7 +31,7 @@ from uptrain import stopsignals
 from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
 from uptrain.train.config import TrainConfig, load_config
-from uptrain.train.run_files import PREEMPTED_FILE, complete_checkpoints
+from uptrain.train.state.run_files import PREEMPTED_FILE, complete_checkpoints
 
 EXIT_PREEMPTED = 75  # = preempt.EXIT_PREEMPTED (that module imports torch: not yet loaded when a stop comes)
 EXIT_INTERRUPTED = 130  # = preempt.EXIT_INTERRUPTED
@@ -86,7 +86,7 @@ def _run(config: TrainConfig, resume: str) -> int:
 def _after_training(err: Exception, config: TrainConfig, resume: str) -> int:
     """The exit code of a run that ended in `err`: diverged (1) or stopped after a step (75); else re-raised."""
     from uptrain.train.loop import TrainingDiverged
-    from uptrain.train.preempt import Preempted
+    from uptrain.train.stop.preempt import Preempted
 
     if isinstance(err, TrainingDiverged):
         print(f"error: {err}", file=sys.stderr)

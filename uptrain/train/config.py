@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from uptrain.data import DataSource
-from uptrain.train.trainable import check_trainable
+from uptrain.train.model.trainable import check_trainable
 from uptrain.errors import UsageError
 
 
@@ -146,7 +146,7 @@ class TrainConfig:
     # checkpoint_wrapper on each decoder layer, before fully_shard)
     compile: bool = False  # torch.compile the model (shard=fsdp2: each decoder layer, before fully_shard)
     trainable: str = "all"  # all, attention (every attention-module parameter) or kv (q/k/v/o projections);
-    # the rest is frozen (see uptrain/train/trainable.py)
+    # the rest is frozen (see uptrain/train/model/trainable.py)
     trainable_stages: list[TrainableStage] = field(default_factory=list)  # run these first, in order (e.g.
     # [{trainable: kv, tokens: 1e6}]), then `trainable` for the rest of the budget
     shard: str | None = None  # fsdp2: the trainer fully_shards the model itself (one or more processes, also

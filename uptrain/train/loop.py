@@ -29,19 +29,19 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from uptrain.train.config import TrainConfig, to_dict
-from uptrain.train.health import TrainingDiverged  # noqa: F401 (public here)
-from uptrain.train.plan.budget import apply_threads, grace_line  # noqa: F401 (grace_line: public here too)
-from uptrain.train.plan.checked import Plan, check_data, check_run
+from uptrain.train.stop.health import TrainingDiverged  # noqa: F401 (public here)
+from uptrain.train.plan.checked import (  # noqa: F401 (grace_line: public here too)
+    Plan, apply_threads, check_data, check_run, grace_line,
+)
 from uptrain.train.plan.models import ModelFolders
-from uptrain.train.report import MetricsLog, plot_losses, save_final_model, write_held_out
-from uptrain.train.run_state import PREEMPTED_FILE, RUN_FILE, clear_run_dir, load_checkpoint, mark_finished
-from uptrain.train.runtime import make_accelerator
-from uptrain.train import shard
-from uptrain.train.preempt import Preempted, StopRequest
-from uptrain.train.setup import build_data, make_optimizer
-from uptrain.train.teacher_samples import ensure_teacher_samples
-from uptrain.train.trainable import apply_trainable, param_numel, stages_line, trainable_line
-from uptrain.train.steps import Run, sharded_io, train_steps
+from uptrain.train.report.report import MetricsLog, plot_losses, save_final_model, write_held_out
+from uptrain.train.state.run_state import PREEMPTED_FILE, RUN_FILE, clear_run_dir, load_checkpoint, mark_finished
+from uptrain.train.parallel import shard
+from uptrain.train.stop.preempt import Preempted, StopRequest
+from uptrain.train.setup import build_data, make_accelerator, make_optimizer
+from uptrain.train.model.teacher_samples import ensure_teacher_samples
+from uptrain.train.model.trainable import apply_trainable, param_numel, stages_line, trainable_line
+from uptrain.train.steps import Run, train_steps
 
 
 def train(config: TrainConfig) -> dict:
@@ -184,7 +184,8 @@ def resume_state(run: Run) -> tuple[int, Iterator[dict]]:
         # RNG states, so step start_step + 1 draws the dropout masks the uninterrupted run drew.
         first = next(batches, None)
         batches = itertools.chain([] if first is None else [first], batches)
-        load_checkpoint(run.accelerator, run.resume_from, sharded_io(run, shard.load_sharded))
+        load_checkpoint(run.accelerator, run.resume_from,
+                        shard.sharded_io(run.model, run.optimizer, shard.load_sharded))
         run.accelerator.print(f"resuming from {run.resume_from} at step {start_step}")
     run.metrics.truncate_after(start_step if run.resume_from else -1)  # records past the checkpoint are redone
     flat = _flat(to_dict(run.config))

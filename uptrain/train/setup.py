@@ -1,5 +1,6 @@
-"""What the trainer builds before the first step, once the plan is checked: the run's data, the
-optimizer and its learning-rate schedule.
+"""What the trainer builds before the first step, once the plan is checked: the accelerator (what
+the launcher decides: devices, processes, mixed precision, trackers; the caches filled in turn),
+the run's data, the optimizer and its learning-rate schedule.
 
 The checks themselves and the model's facts live in `uptrain.train.plan` (names re-exported here
 for the callers that import them from this module).
@@ -7,27 +8,75 @@ for the callers that import them from this module).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import datasets
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 
 from uptrain.data import DataSource, documents, split_documents
 from uptrain.data.source import files_fingerprint
 from uptrain.data.blocks import first_blocks, require_blocks, token_blocks, tokenizer_fingerprint
 from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.train.config import OptimConfig, TrainConfig
-from uptrain.train.plan.budget import (  # noqa: F401 (public here too)
+from uptrain.train.plan.checked import (  # noqa: F401 (public here too)
     StepBudget, StepBudget as RunPlan, apply_threads, check_validation_size, cpu_threads_line, paths_line, plan_run,
     wsd_decay_steps,
 )
+from uptrain.train.plan.launch import _deepspeed_launch, check_launch_honoured, check_trackers
 from uptrain.train.plan.models import (  # noqa: F401 (public here too)
     ModelFacts, ModelFolders, check_models, final_model_dtype, resolve_models, vocab_difference,
 )
-from uptrain.train.runtime import caches_filled_in_turn
-from uptrain.train.trainable import param_shape
+from uptrain.train.model.trainable import param_shape
+
+
+def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
+    """An Accelerator for this machine; trackers named in log.log_with.
+
+    Mixed precision: an explicit `mixed_precision` in the run config wins; unset (None), accelerate
+    takes the launcher's (`accelerate launch --mixed_precision` / the accelerate config file, passed
+    as ACCELERATE_MIXED_PRECISION), else "no".
+    """
+    check_trackers(config.log.log_with)
+    cpu, handlers = not torch.cuda.is_available(), []
+    if cpu and _deepspeed_launch(os.environ):
+        # cpu=True would make accelerate drop DeepSpeed (MULTI_CPU + DDP). With cpu=False and no
+        # CUDA, accelerate finds no backend and counts 1 process while DeepSpeed sees the world:
+        # name gloo, so DeepSpeed's init_distributed joins one gloo group and accelerate counts it.
+        cpu, handlers = False, [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(
+        # Without cpu=True on a machine without CUDA, `accelerate launch --multi_gpu` ranks would
+        # not join one process group: each would silently train alone.
+        cpu=cpu,
+        mixed_precision=config.mixed_precision,
+        log_with=config.log.log_with or None,
+        project_dir=str(run_dir),
+        kwargs_handlers=handlers or None,
+    )
+    check_launch_honoured(os.environ, accelerator.distributed_type)
+    return accelerator
+
+
+@contextlib.contextmanager
+def caches_filled_in_turn(accelerator: Accelerator) -> Iterator[None]:
+    """Run the body (work that fills a per-machine cache, e.g. tokenization into the datasets
+    cache) in three turns: the global main process; then the local main process of every other
+    machine; then all the others, who read what their machine's cache now holds.
+
+    A cache shared by all machines (HF_HOME on a shared disk) is so filled once, by process 0,
+    and a cache of one machine's own once, by that machine's local main: never two processes
+    filling one cache at the same time. (The global main alone first, as before, let all the
+    processes of every other machine fill their machine's cache at once.) Each turn ends with a
+    barrier of all processes.
+    """
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
+        yield
 
 
 class RunData(NamedTuple):

@@ -24,23 +24,23 @@ import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from uptrain.train import shard
+from uptrain.train.parallel import shard
 from uptrain.train.config import TrainConfig
-from uptrain.train.eta import EtaTracker, format_eta
-from uptrain.train.health import StepHealth, check_finite
-from uptrain.train.losses import kd_loss_sum, lm_loss_sum
-from uptrain.train.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left, signal_name
-from uptrain.train.run_state import complete_checkpoints, save_checkpoint
+from uptrain.train.report.eta import EtaTracker, format_eta
+from uptrain.train.stop.health import StepHealth, check_finite
+from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
+from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left, signal_name
+from uptrain.train.state.run_state import complete_checkpoints, save_checkpoint
 from uptrain.train.setup import lr_at
-from uptrain.train.trainable import set_trainable, trainable_at
-from uptrain.train.validate import validate_blocks
+from uptrain.train.model.trainable import set_trainable, trainable_at
+from uptrain.train.model.validate import validate_blocks
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
-    from uptrain.train.report import MetricsLog
+    from uptrain.train.report.report import MetricsLog
     from uptrain.train.plan.checked import Plan
 
 
@@ -92,7 +92,7 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
     checked (the one finite check, before the update, so a bad step is never applied or saved);
     the update; progress; the metrics record, evaluation and checkpoint when due; a stop.
 
-    Losses stay on the device between sync points (uptrain/train/health.py): every log.every
+    Losses stay on the device between sync points (uptrain/train/stop/health.py): every log.every
     steps, before each evaluation and checkpoint, at the last step, and at a step a stop signal
     ends. Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
     """
@@ -193,7 +193,7 @@ class _Progress:
             losses = {"lm": f"{stats.lm:.4f}", "kd": f"{stats.kd:.4f}"} if self.run.teacher is not None else {
                 "loss": f"{stats.loss:.4f}"}
             self.bar.set_postfix(**losses, lr=f"{lr:.2e}", tok_s=f"{self.tok_s:,.0f}")
-        # ETA from a moving window of recent step times past the warm-up (uptrain.train.eta); between
+        # ETA from a moving window of recent step times past the warm-up (uptrain.train.report.eta); between
         # sync points the host runs ahead of the device, the step at the sync point absorbs the wait
         left = self.eta.update(time.monotonic(), steps - done)
         if left is not None and self.run.accelerator.is_main_process:
@@ -266,7 +266,7 @@ def _save(run: Run, done: int) -> Path:
              "run_dir": str(run.run_dir.resolve())}
     started = time.monotonic()
     path = save_checkpoint(run.accelerator, run.run_dir, done, state, run.config.checkpoint.keep,
-                           sharded_io(run, shard.save_sharded))
+                           shard.sharded_io(run.model, run.optimizer, shard.save_sharded))
     took, before = time.monotonic() - started, run.checkpoint_s
     run.checkpoint_s = took
     if run.grace_s is not None and took > run.grace_s and (before is None or before <= run.grace_s):
@@ -296,14 +296,6 @@ def _stop_checkpoint(run: Run, done: int, stop: StopRequest) -> Path | None:
         f"{run.grace_s:g} s grace; " + (f"the last complete checkpoint {kept.name} is kept" if kept else
                                         "no checkpoint yet: the resumed run starts over"))
     return kept
-
-
-def sharded_io(run: Run, io):
-    """folder -> io(model, optimizer, folder) for a sharded model (its weights and optimizer are
-    not accelerate's to save), else None."""
-    if not shard.is_sharded(run.model):
-        return None
-    return lambda folder: io(run.model, run.optimizer, folder)
 
 
 def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

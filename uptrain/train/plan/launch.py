@@ -1,6 +1,6 @@
 """The launch's checks: what accelerate was started with (processes, mixed precision, DeepSpeed,
 FSDP), the trackers asked for, torch.compile, and a run folder every process shares. Each refusal
-is one UsageError line; accelerate itself is made in uptrain/train/runtime.py.
+is one UsageError line; accelerate itself is made in uptrain/train/setup.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,27 @@
 """The run folder's state as a new start finds it: may the folder be used, which checkpoint a resume
 continues, is that checkpoint part of this run (its identity), and on another process count the
-grad_accum that keeps its global batch. Each refusal is one UsageError line."""
+grad_accum that keeps its global batch. Each refusal is one UsageError line.
+
+What makes a checkpoint part of a run is defined once, here: the run identity.
+
+A resume must continue the same run: the same model, data, data order, optimisation trajectory and
+state layout. Those are the identity:
+
+  - the config sections in SECTIONS, as written (run.yaml keeps them for the run folder);
+  - minus ELASTIC: fields a resume may change on purpose (grad_accum, which an elastic resume on
+    another process count adapts; the global batch is checked instead, by `elastic_grad_accum`);
+  - the effective mixed precision (the config's or the launcher's: `accelerator.mixed_precision`);
+  - the training data's fingerprint (the token blocks' content key: the documents, the tokenizer,
+    seq_len), so a data file changed under the same path is seen.
+
+Every checkpoint records its identity (`checkpoint_identity`, in trainer_state.json) and the run
+folder it belongs to; `identity_changes` names what differs. The process count is recorded too but
+is not part of the identity: an elastic resume keeps the global batch (`elastic_grad_accum`, below).
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -12,12 +30,74 @@ import yaml
 
 from uptrain.errors import UsageError
 from uptrain.train.config import TrainConfig, to_dict
-from uptrain.train.identity import config_identity, describe_changes, identity_changes, run_identity
-from uptrain.train.run_files import FINISHED_FILE, RUN_FILE, STATE_FILE, complete_checkpoints
+from uptrain.train.state.run_files import (  # noqa: F401 (RUN_OUTPUTS, checkpoint_state: public here too)
+    FINISHED_FILE, RUN_FILE, RUN_OUTPUTS, STATE_FILE, checkpoint_state, complete_checkpoints,
+)
 
 
-# what a run writes into its folder: one of them there means the folder holds a run (clear_run_dir removes them)
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE, "held_out.jsonl")
+# Config sections that decide the data, the data order, the trajectory and the checkpoint layout.
+SECTIONS = ("model", "tokenizer", "seed", "data", "budget", "batch", "optim", "distill", "trainable",
+            "trainable_stages", "shard", "mixed_precision")
+# Fields inside SECTIONS that a resume may change: section -> field names.
+ELASTIC = {"batch": ("grad_accum",)}
+# What each section is called in a refusal, with what to do about it.
+_HINTS = {"shard": "a sharded (shard=fsdp2) checkpoint holds per-rank shards, an unsharded one whole tensors",
+          "mixed_precision": "the master weights' trajectory depends on it",
+          "data_fingerprint": "the training text or the tokenizer changed since the checkpoint was written"}
+
+
+def config_identity(config_dict: dict) -> dict:
+    """The identity sections of a config (as `to_dict` gives it), elastic fields left out."""
+    out = {}
+    for key in SECTIONS:
+        value = copy.deepcopy(config_dict.get(key))
+        if isinstance(value, dict):
+            for field in ELASTIC.get(key, ()):
+                value.pop(field, None)
+        out[key] = value
+    return out
+
+
+def run_identity(config_dict: dict, mixed_precision: str, data_fingerprint: str | None) -> dict:
+    """The identity of a run: its config sections, the effective mixed precision, the data's fingerprint."""
+    identity = config_identity(config_dict)
+    identity["mixed_precision"] = mixed_precision  # the launcher's when the config leaves it unset (None)
+    identity["data_fingerprint"] = data_fingerprint
+    return identity
+
+
+def identity_changes(recorded: dict, now: dict) -> list[str]:
+    """Dotted names of the identity fields that differ between two identities (sorted by section).
+
+    A field absent from `recorded` (a checkpoint of an older version that did not record it) is not
+    compared."""
+    changed = []
+    for key in (*SECTIONS, "data_fingerprint"):
+        if key not in recorded:
+            continue
+        a, b = recorded.get(key), now.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += [f"{key}.{name}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+        else:
+            changed.append(key)
+    return changed
+
+
+def describe_changes(changed: list[str], recorded: dict, now: dict) -> str:
+    """'seed (checkpoint 0, now 5), optim.lr (checkpoint 0.002, now 0.005)': what a refusal names."""
+    def value(identity: dict, dotted: str):
+        section, _, field = dotted.partition(".")
+        got = identity.get(section)
+        return got.get(field) if field and isinstance(got, dict) else got
+
+    parts = []
+    for name in changed:
+        hint = _HINTS.get(name.split(".")[0])
+        shown = "" if name == "data_fingerprint" else f"checkpoint {value(recorded, name)!r}, now {value(now, name)!r}"
+        parts.append(f"{name} ({'; '.join(p for p in (shown, hint) if p)})")
+    return ", ".join(parts)
 
 
 def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrite: bool) -> Path | None:
@@ -74,7 +154,7 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
 
 def check_checkpoint_identity(path: Path, state: dict, now: dict) -> None:
     """UsageError naming what differs when checkpoint `path` (its trainer state `state`) was written
-    by a run of another identity than `now` (uptrain.train.identity.run_identity)."""
+    by a run of another identity than `now` (`run_identity`, above)."""
     recorded = state.get("identity")
     if not recorded:  # written before checkpoints recorded their run's identity: run.yaml was compared
         return
@@ -84,11 +164,6 @@ def check_checkpoint_identity(path: Path, state: dict, now: dict) -> None:
             f"checkpoint {path} was written by a run with other settings: {describe_changes(changed, recorded, now)}; "
             "resume with the settings it was written with, or start a new run (another run_dir, without resume)"
         )
-
-
-def checkpoint_state(path: Path) -> dict:
-    """The trainer state of a complete checkpoint: step, samples, tokens, processes."""
-    return json.loads((path / STATE_FILE).read_text())
 
 
 def elastic_grad_accum(path, state: dict, world: int, micro_batch: int, grad_accum: int) -> int:

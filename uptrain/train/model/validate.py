@@ -8,7 +8,7 @@ import math
 import torch
 from accelerate import Accelerator
 
-from uptrain.train.losses import kd_loss_sum, lm_loss_sum
+from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
 
 
 def eval_share(n_blocks: int, world: int, rank: int) -> range:
@@ -59,7 +59,7 @@ def validate_blocks(model, val_blocks, accelerator: Accelerator, batch_size: int
             sums += torch.stack([x.to(sums.device, torch.float64) for x in batch])
     model.train()
     total_loss, tokens, kl, agreed = accelerator.reduce(sums, reduction="sum").tolist()
-    if tokens == 0:  # prevented by the plan (plan/budget.py, check_validation_size); never report a perfect score on nothing
+    if tokens == 0:  # prevented by the plan (plan/checked.py, check_validation_size); never report a perfect score on nothing
         raise RuntimeError("validation scored no tokens")
     loss = total_loss / tokens
     record = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": int(tokens)}

@@ -112,7 +112,7 @@ def save_final_model(accelerator: Accelerator, model, out_dir: Path, source_dir:
     re-saved: tokenizer.save_pretrained adds loader flags of this machine such as "is_local").
     The model card of `source_dir` is kept and extended with the training record.
     """
-    from uptrain.train.shard import full_state_dict, is_sharded
+    from uptrain.train.parallel.shard import full_state_dict, is_sharded
 
     state_dict = full_state_dict(model) if is_sharded(model) else accelerator.get_state_dict(model)
     if accelerator.is_main_process:

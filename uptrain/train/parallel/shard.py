@@ -29,7 +29,6 @@ import torch
 from accelerate import Accelerator
 
 from uptrain.errors import UsageError
-from uptrain.train.plan.launch import check_compile, check_fsdp2  # noqa: F401 (public here too)
 
 SHARDED_STATE = "sharded_state"  # the torch.distributed.checkpoint folder inside a checkpoint
 
@@ -104,6 +103,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def sharded_io(model: torch.nn.Module, optimizer: torch.optim.Optimizer, io):
+    """folder -> io(model, optimizer, folder) for a sharded model (its weights and optimizer are
+    not accelerate's to save), else None."""
+    if not is_sharded(model):
+        return None
+    return lambda folder: io(model, optimizer, folder)
 
 
 def no_grad_sync(model: torch.nn.Module):

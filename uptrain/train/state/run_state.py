@@ -10,7 +10,7 @@ written last) and renamed into place: a kill at any point leaves it complete or 
 folder without the mark is never taken as latest. A checkpoint records the process count and the
 global batch (samples / step); a resume on another count keeps that batch by adjusting grad_accum
 (`elastic_grad_accum`). What a new start checks of the folder (may it be used, which checkpoint a
-resume continues, is it this run's) is the plan's: uptrain/train/plan/resume.py, re-exported here.
+resume continues, is it this run's) is the plan's: uptrain/train/plan/resume.py.
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from uptrain.convert.io.output_dir import fsync_path
-from uptrain.train.plan.resume import (  # noqa: F401 (public here too)
-    RUN_OUTPUTS, check_checkpoint_identity, check_run_dir, checkpoint_state, elastic_grad_accum,
-)
-from uptrain.train.preempt import signal_in_checkpoint_hook
-from uptrain.train.run_files import (  # noqa: F401 (public here too)
-    FINISHED_FILE, PREEMPTED_FILE, RUN_FILE, STATE_FILE, complete_checkpoints,
+from uptrain.train.stop.preempt import signal_in_checkpoint_hook
+from uptrain.train.state.run_files import (  # noqa: F401 (public here too)
+    FINISHED_FILE, PREEMPTED_FILE, RUN_FILE, RUN_OUTPUTS, STATE_FILE, checkpoint_state, complete_checkpoints,
 )
 
 

@@ -29,7 +29,6 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.train.config import TrainConfig
 from uptrain.data import DataSource, TeacherSamples
-from uptrain.train.plan.budget import check_samples_budget  # noqa: F401 (public here too)
 
 FOLDER = "teacher_samples"
 SAMPLES = "samples.jsonl"
