@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
 from uptrain.convert import convert  # noqa: E402
 from uptrain.convert.layers.calibrate import Calibration, calibration_sequences, read_calibration_texts  # noqa: E402
+from uptrain.convert.math import refine  # noqa: E402
 from uptrain.convert.math.refine import refine_model  # noqa: E402
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts  # noqa: E402
 from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
@@ -117,12 +118,15 @@ def main() -> None:
     p.add_argument("--starts", nargs="+", default=["fit", "mean"], choices=["fit", "mean"],
                    help="closed-form starts (fit: fit + calibration)")
     p.add_argument("--inputs", nargs="+", default=["original"], choices=["original", "converted"])
-    p.add_argument("--steps", type=int, nargs="+", default=[1200])
-    p.add_argument("--lr", type=float, nargs="+", default=[1e-2])
-    p.add_argument("--batch", type=int, nargs="+", default=[4])
+    p.add_argument("--steps", type=int, nargs="+", default=[refine.STEPS])
+    p.add_argument("--lr", type=float, nargs="+", default=[refine.LR])
+    p.add_argument("--batch", type=int, nargs="+", default=[refine.BATCH])
+    p.add_argument("--schedule", choices=refine.SCHEDULES, default="cosine",
+                   help="constant: the optimiser before issue 43 (results/refine.md's rows: --steps 1200 --lr 1e-2 "
+                        "--batch 4 --eval-every 20)")
     p.add_argument("--holdout", type=float, default=0.125)
     p.add_argument("--patience", type=int, default=4)
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=refine.EVAL_EVERY)
     p.add_argument("--calib-tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -162,11 +166,13 @@ def main() -> None:
                     results = refine_model(original, converted, seqs, inputs=inputs, steps=steps, lr=lr, batch=batch,
                                            holdout_fraction=args.holdout, patience=args.patience,
                                            eval_every=args.eval_every, seed=args.seed, documents=documents,
+                                           schedule=args.schedule,
                                            log=lambda m: print("  " + m, flush=True))
                     seconds = time.perf_counter() - t0
                     refined = loss(converted, tokenizer, s)
                     row = dict(model=args.model, kv=kv, start=method, inputs=inputs, steps=steps, lr=lr, batch=batch,
                                holdout=args.holdout, patience=args.patience, eval_every=args.eval_every,
+                               schedule=args.schedule,
                                calib_tokens=args.calib_tokens, seed=args.seed, original=base, mean=mean_loss,
                                start_loss=start_loss, refined=refined, seconds=round(seconds, 1),
                                layers=[r.as_dict() for r in results], load=os.getloadavg()[0],

@@ -25,8 +25,8 @@ from uptrain.errors import UsageError
 REFINE_NEEDS_CALIB = ("--refine needs --calib FILE (the text whose attention outputs the converted layers "
                       "are tuned to match)")
 DEFAULT_CALIB_TOKENS = 32768
-DEFAULT_REFINE_STEPS = 1200  # refine.STEPS (kept equal by tests/convert/test_options.py)
-DEFAULT_REFINE_LR = 1e-2  # refine.LR (idem)
+DEFAULT_REFINE_STEPS = 400  # refine.STEPS (kept equal by tests/convert/test_refine.py)
+DEFAULT_REFINE_LR = 6e-2  # refine.LR (idem)
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,10 @@ def add_conversion_args(p: argparse.ArgumentParser, calib_help: str = "") -> Non
                    help="after the closed-form start (fit, or mean where fit refuses the family), tune each layer's "
                         "attention weights with Adam so its output matches the original layer's on --calib text")
     p.add_argument("--refine-steps", type=int, default=DEFAULT_REFINE_STEPS,
-                   help=f"most Adam steps per layer (default {DEFAULT_REFINE_STEPS}; a held-out slice of --calib "
-                        "stops earlier)")
+                   help=f"Adam steps per layer, the length of the warm-up and cosine schedule (default "
+                        f"{DEFAULT_REFINE_STEPS}; a held-out slice of --calib may stop it sooner)")
     p.add_argument("--refine-lr", type=float, default=DEFAULT_REFINE_LR,
-                   help=f"Adam learning rate relative to each weight's RMS (default {DEFAULT_REFINE_LR:g})")
+                   help=f"peak Adam learning rate relative to each weight's RMS (default {DEFAULT_REFINE_LR:g})")
     p.add_argument("--refine-inputs", choices=REFINE_INPUTS, default="original",
                    help="each layer learns on the original model's activations (default; measured as good, "
                         "results/refine.md) or on the converted model's own (one more activation copy)")

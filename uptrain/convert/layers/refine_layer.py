@@ -46,7 +46,7 @@ from uptrain.errors import UsageError
 
 @dataclass
 class RefineSettings:
-    """`--refine` options (defaults measured in results/refine.md)."""
+    """`--refine` options (defaults measured in results/refine-speed.md; before issue 43: results/refine.md)."""
 
     steps: int = refine.STEPS
     lr: float = refine.LR
