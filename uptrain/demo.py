@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     valid = read_documents(DataSource(files=[str(valid_path)]), args.stories)
     announce_threads()
     if args.model is None and not args.skip_uptrain and not args.overrides:
-        print("expected: about 2-3 minutes after set-up on an idle 2-core machine (README), 2-4x that on a busy one",
+        print("expected: about 1-2 minutes after set-up on an idle 2-core machine (README), 2-4x that on a busy one",
               flush=True)
     torch.manual_seed(0)
 
