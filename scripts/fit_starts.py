@@ -89,6 +89,7 @@ def convert_cli(src: Path, out: Path, method: str) -> list[str]:
 
 
 def errors(source, converted, sequences) -> list[float]:
+    """Each attention module's relative output error on the source's attention inputs of `sequences`."""
     from uptrain.convert.math.refine import attention_modules, call_with, capture, relative_error
 
     rec = capture(source, sequences)
@@ -97,6 +98,7 @@ def errors(source, converted, sequences) -> list[float]:
 
 
 def with_mean_keys(fitted, mean):
+    """`fitted` with every query/key parameter of its attention (projections, norms) taken from `mean`."""
     from uptrain.convert.math.refine import attention_modules
 
     for a, b in zip(attention_modules(fitted), attention_modules(mean)):

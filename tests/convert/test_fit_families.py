@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
 from families import tiny_config
 from tiny import load, logits, random_model, save
 from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert.layers.calibrate import Calibration, calibration_sequences, read_calibration_texts
 from uptrain.convert.math.refine import attention_modules, call_with, capture, relative_error
+
+sys.path.insert(0, str(REPO / "scripts"))
+from fit_starts import errors as layer_errors, with_mean_keys  # noqa: E402 (scripts/: the measurement's own)
 
 SHARP = 4.0  # q/k weights x this: attention logits of a few units, not ~0 (keys would not matter)
 CALIB_TOKENS = 4096
@@ -76,25 +80,6 @@ def _held_out(tokens: int = 4096) -> list[torch.Tensor]:
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
     seqs, _, _, _ = calibration_sequences(read_calibration_texts(VALID_TXT), tokenizer, tokens, 256)
     return [torch.tensor(s) for s in seqs if len(s) > 1]
-
-
-def layer_errors(source, converted, sequences: list[torch.Tensor]) -> list[float]:
-    """Each attention module's relative output error on the source's attention inputs of `sequences`."""
-    recorded = capture(source, sequences)
-    return [relative_error(module, call_with(recorded[i].kwargs), recorded[i].inputs, recorded[i].outputs,
-                           range(len(recorded[i].inputs)))
-            for i, module in enumerate(attention_modules(converted))]
-
-
-def with_mean_keys(fitted, mean):
-    """`fitted` with every query/key parameter of its attention (projections, norms) taken from `mean`."""
-    for a, b in zip(attention_modules(fitted), attention_modules(mean)):
-        theirs = dict(b.named_parameters())
-        with torch.no_grad():
-            for name, p in a.named_parameters():
-                if name.split(".")[0].startswith(("q_", "k_")):
-                    p.copy_(theirs[name])
-    return fitted
 
 
 def _convert_all(case: str, tmp: Path) -> dict[str, list[float]]:
