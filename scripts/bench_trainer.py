@@ -31,7 +31,7 @@ from uptrain.train.model.losses import lm_loss_sum
 from uptrain.train.report.mfu import mfu, model_flops_per_token
 from uptrain.train import train
 from uptrain.train.config import load_config
-from uptrain.train.report.report import MetricsLog
+from uptrain.train.state.run_state import MetricsLog
 from uptrain.train.setup import make_optimizer
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"

@@ -179,9 +179,9 @@ def test_a_broken_trainer_rule_is_seen():
     global GRAPH
     saved = GRAPH
     GRAPH = {**GRAPH, "uptrain.train.state.run_state": GRAPH["uptrain.train.state.run_state"]
-             | {"uptrain.train.plan.resume"}}
+             | {"uptrain.train.plan.folders"}}
     try:
-        with pytest.raises(AssertionError, match="state.run_state -> uptrain.train.plan.resume"):
+        with pytest.raises(AssertionError, match="state.run_state -> uptrain.train.plan.folders"):
             test_the_trainer_rooms_import_only_downwards()
     finally:
         GRAPH = saved

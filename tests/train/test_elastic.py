@@ -98,7 +98,7 @@ def test_fsdp2_two_to_one_to_two_processes(tmp_path, reference, fsdp2_runs):
 @pytest.mark.parametrize("processes,micro_batch,grad_accum", [(1, 4, 2), (2, 4, 1), (2, 2, 3), (3, 1, 4), (4, 8, 2),
                                                               (8, 1, 1), (6, 2, 5)])
 def test_elastic_grad_accum_keeps_the_global_batch_or_names_the_counts_that_do(processes, micro_batch, grad_accum):
-    from uptrain.train.plan.resume import elastic_grad_accum
+    from uptrain.train.plan.folders import elastic_grad_accum
 
     global_batch = processes * micro_batch * grad_accum
     state = {"step": 7, "samples": 7 * global_batch, "processes": processes}

@@ -14,8 +14,8 @@ from train_helpers import DEMO, TRAIN_TXT, need_models, tiny_overrides
 from uptrain.errors import UsageError
 from uptrain.train.__main__ import main
 from uptrain.train.config import load_config, to_dict
-from uptrain.train.plan.resume import SECTIONS, config_identity, identity_changes, run_identity
-from uptrain.train.plan.resume import check_checkpoint_identity, check_run_dir
+from uptrain.train.plan.folders import SECTIONS, config_identity, identity_changes, run_identity
+from uptrain.train.plan.folders import check_checkpoint_identity, check_run_dir
 from uptrain.train.state.run_state import checkpoint_state, complete_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,7 @@ import pytest
 from train_helpers import DEMO, fresh_accelerate_state, need_models, tiny_overrides  # noqa: F401 (autouse)
 from uptrain.train.__main__ import main
 from uptrain.errors import UsageError
-from uptrain.train.plan.resume import check_run_dir
+from uptrain.train.plan.folders import check_run_dir
 from uptrain.train.state.run_state import STATE_FILE, complete_checkpoints
 
 

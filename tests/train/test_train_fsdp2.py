@@ -101,7 +101,7 @@ def test_fsdp2_refuses_what_it_does_not_cover():
     from accelerate.utils import DistributedType
 
     from uptrain.errors import UsageError
-    from uptrain.train.plan.launch import check_fsdp2
+    from uptrain.train.plan.checked import check_fsdp2
 
     config = load_config(DEMO, tiny_overrides("runs/x", shard="fsdp2"))
     plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, mixed_precision="no")

@@ -13,7 +13,7 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, need_models, tiny_overrides
 from uptrain.errors import UsageError
 from uptrain.train.config import DistillConfig, OptimConfig, TrainConfig, load_config
-from uptrain.train.plan.launch import DeepSpeedFacts, check_deepspeed
+from uptrain.train.plan.checked import DeepSpeedFacts, check_deepspeed
 from uptrain.train.setup import make_accelerator
 from uptrain.train.setup import lr_at
 from uptrain.train.model.validate import eval_share
@@ -128,7 +128,7 @@ def test_a_launch_whose_fsdp_or_deepspeed_accelerate_dropped_is_refused():
     from accelerate.utils import DistributedType
 
     from uptrain.errors import UsageError
-    from uptrain.train.plan.launch import check_launch_honoured
+    from uptrain.train.plan.checked import check_launch_honoured
 
     for flag, kind in (("ACCELERATE_USE_FSDP", DistributedType.FSDP), ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED)):
         with pytest.raises(UsageError, match="drops"):

@@ -2,11 +2,11 @@
 
 Top: config (dataclasses + YAML), setup (what is built before step 1 from the plan: data,
 optimizer), loop (the run itself), steps (the loop's body); __main__ is the CLI. Rooms, from the
-ground up: stop/ (stop signals, the grace, the finite check), state/ (the run folder, a
-checkpoint's identity, checkpoints written and loaded), plan/ (the run plan: every check of the
+ground up: stop/ (stop signals, the grace, the finite check), state/ (the run folder, its
+metrics log, checkpoints written and loaded), plan/ (the run plan: every check of the
 config, the launch and the run folder, made once into one immutable `Plan`), model/ (trainable
 parameters, losses, validation, teacher samples), parallel/ (the accelerator, FSDP2), report/
-(metrics, plots, the final model folder, ETA, MFU).
+(plots, the final model folder, ETA, MFU).
 
 Python API: `from uptrain.train import train`.
 """

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
@@ -33,9 +31,9 @@ from uptrain.train.stop.health import TrainingDiverged  # noqa: F401 (public her
 from uptrain.train.plan.checked import (  # noqa: F401 (grace_line: public here too)
     Plan, apply_threads, check_data, check_run, grace_line,
 )
-from uptrain.train.plan.models import ModelFolders
-from uptrain.train.report.report import MetricsLog, plot_losses, save_final_model, write_held_out
-from uptrain.train.state.run_state import PREEMPTED_FILE, RUN_FILE, clear_run_dir, load_checkpoint, mark_finished
+from uptrain.train.plan.folders import ModelFolders
+from uptrain.train.report.report import plot_losses, save_final_model
+from uptrain.train.state.run_state import MetricsLog, begin_run_folder, load_checkpoint, mark_finished
 from uptrain.train.parallel import shard
 from uptrain.train.stop.preempt import Preempted, StopRequest
 from uptrain.train.setup import build_data, make_accelerator, make_optimizer
@@ -87,8 +85,9 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     data = build_data(data_config, tokenizer, plan, accelerator, plan.resumed.get("samples", 0))
     plan = check_data(plan, len(data.val), data.fingerprint)
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
-    if accelerator.is_main_process:
-        _write_run_folder(plan, data.held_out)
+    if accelerator.is_main_process:  # cleared with overwrite, run.yaml, the held-out documents for uptrain.eval
+        begin_run_folder(plan.run_dir, plan.config_dict, plan.config.overwrite, plan.config.log.project,
+                         None if data.held_out is None else data.held_out["text"])
 
     # --- model, optional teacher, optimizer, loader ---
     enter("models loading")
@@ -104,22 +103,6 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     metrics = MetricsLog(plan.run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(plan, accelerator, tokenizer, data.val, model, teacher, optimizer, loader, metrics,
                plan.resumed.get("write_s"))
-
-
-def _write_run_folder(plan: Plan, held_out) -> None:
-    """The run folder as this start begins it (main process): cleared with overwrite, run.yaml
-    written whole (a stop signal may come at any moment), the last stop's mark removed (this start
-    continues that run), the held-out documents written for uptrain.eval."""
-    config, run_dir = plan.config, plan.run_dir
-    if config.overwrite:
-        clear_run_dir(run_dir, config.log.project)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)
-    tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(yaml.safe_dump(plan.config_dict, sort_keys=False))
-    os.replace(tmp, run_dir / RUN_FILE)
-    if held_out is not None:
-        write_held_out(run_dir, held_out["text"])
 
 
 def _build_training(plan: Plan, accelerator: Accelerator, train_blocks):

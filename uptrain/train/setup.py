@@ -26,11 +26,10 @@ from uptrain.data.blocks import first_blocks, require_blocks, token_blocks, toke
 from uptrain.data.schedule import StreamSchedule, schedule_blocks
 from uptrain.train.config import OptimConfig, TrainConfig
 from uptrain.train.plan.checked import (  # noqa: F401 (public here too)
-    StepBudget, StepBudget as RunPlan, apply_threads, check_validation_size, cpu_threads_line, paths_line, plan_run,
-    wsd_decay_steps,
+    StepBudget, StepBudget as RunPlan, _deepspeed_launch, apply_threads, check_launch_honoured, check_trackers,
+    check_validation_size, cpu_threads_line, paths_line, plan_run, wsd_decay_steps,
 )
-from uptrain.train.plan.launch import _deepspeed_launch, check_launch_honoured, check_trackers
-from uptrain.train.plan.models import (  # noqa: F401 (public here too)
+from uptrain.train.plan.folders import (  # noqa: F401 (public here too)
     ModelFacts, ModelFolders, check_models, final_model_dtype, resolve_models, vocab_difference,
 )
 from uptrain.train.model.trainable import param_shape

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
-    from uptrain.train.report.report import MetricsLog
     from uptrain.train.plan.checked import Plan
+    from uptrain.train.state.run_state import MetricsLog
 
 
 @dataclass

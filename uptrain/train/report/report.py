@@ -1,8 +1,8 @@
-"""What a finished run leaves behind: metrics log, loss-curve PNG, final model with its card."""
+"""What a finished run leaves behind: the loss-curve PNG, the final model with its card (the
+metrics log it reads is the run folder's: uptrain/train/state/run_state.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -12,29 +12,6 @@ from accelerate import Accelerator
 
 from uptrain.convert.io.output_dir import atomic_output_dir
 from uptrain.convert.io.source import auxiliary_files
-
-
-class MetricsLog:
-    """Append-only JSON-lines log of metric records (written by the main process only)."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path = path
-        self.enabled = enabled
-
-    def truncate_after(self, step: int) -> None:
-        """Drop records later than `step` (a resumed run rewrites them); -1 drops all."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def read(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line] if self.path.exists() else []
 
 
 def plot_losses(records: list[dict], png: Path) -> None:
@@ -135,17 +112,3 @@ def save_final_model(accelerator: Accelerator, model, out_dir: Path, source_dir:
             for file in tmp.iterdir():
                 file.chmod(mode)
     accelerator.wait_for_everyone()
-
-
-HELD_OUT_FILE = "held_out.jsonl"  # in run_dir: the documents of data.train held out for validation
-
-
-def write_held_out(run_dir: Path, texts: list[str]) -> Path:
-    """run_dir/held_out.jsonl: the documents held out of the training text (data.val_fraction), one
-    {"text": ...} per line, written whole: `uptrain.eval ... --data RUN/held_out.jsonl` scores the
-    models on text the run never trained on."""
-    path = run_dir / HELD_OUT_FILE
-    tmp = run_dir / f".{HELD_OUT_FILE}.tmp"
-    tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    os.replace(tmp, path)
-    return path

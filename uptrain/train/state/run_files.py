@@ -10,8 +10,9 @@ STATE_FILE = "trainer_state.json"  # written last into a checkpoint: its complet
 RUN_FILE = "run.yaml"
 FINISHED_FILE = "finished.json"  # written last by a run that completed its budget
 PREEMPTED_FILE = "preempted.json"  # the last stop's record for launch scripts (uptrain.train.__main__)
+HELD_OUT_FILE = "held_out.jsonl"  # the documents of data.train held out for validation
 # what a run writes into its folder: one of them there means the folder holds a run (clear_run_dir removes them)
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE, "held_out.jsonl")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "model", "loss.png", RUN_FILE, FINISHED_FILE, HELD_OUT_FILE)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -1,16 +1,18 @@
-"""Run folders and atomic checkpoints on top of `accelerator.save_state` / `load_state`.
+"""Run folders and atomic checkpoints on top of `accelerator.save_state` / `load_state`: the run
+folder as a start begins it (`begin_run_folder`: run.yaml, held_out.jsonl), its metrics log
+(`MetricsLog`: metrics.jsonl, cut back to the checkpoint on resume), checkpoints written and loaded.
 
 Layout of a run folder:
   run.yaml                 the config that started the run (identifies whose state this is)
   checkpoints/checkpoint-00000100/   accelerate state + trainer_state.json (written last)
-  metrics.jsonl, <project>/ (TensorBoard), model/ (final Hugging Face folder), loss.png
+  metrics.jsonl, held_out.jsonl, <project>/ (TensorBoard), model/ (final Hugging Face folder), loss.png
 
 A checkpoint is written into `checkpoints/.tmp-...`, fsynced, marked complete (trainer_state.json,
 written last) and renamed into place: a kill at any point leaves it complete or absent, and a
 folder without the mark is never taken as latest. A checkpoint records the process count and the
 global batch (samples / step); a resume on another count keeps that batch by adjusting grad_accum
 (`elastic_grad_accum`). What a new start checks of the folder (may it be used, which checkpoint a
-resume continues, is it this run's) is the plan's: uptrain/train/plan/resume.py.
+resume continues, is it this run's) is the plan's: uptrain/train/plan/folders.py.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
 from accelerate import Accelerator
 
 from uptrain.convert.io.output_dir import fsync_path
 from uptrain.train.stop.preempt import signal_in_checkpoint_hook
 from uptrain.train.state.run_files import (  # noqa: F401 (public here too)
-    FINISHED_FILE, PREEMPTED_FILE, RUN_FILE, RUN_OUTPUTS, STATE_FILE, checkpoint_state, complete_checkpoints,
+    FINISHED_FILE, HELD_OUT_FILE, PREEMPTED_FILE, RUN_FILE, RUN_OUTPUTS, STATE_FILE, checkpoint_state,
+    complete_checkpoints,
 )
 
 
@@ -47,6 +51,57 @@ def clear_run_dir(run_dir: Path, tracker_dir: str) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def begin_run_folder(run_dir: Path, run_config: dict, overwrite: bool, tracker_dir: str,
+                     held_out: list[str] | None) -> None:
+    """The run folder as this start begins it (main process): cleared with `overwrite` (with the
+    trackers' `tracker_dir`), run.yaml (`run_config`) written whole (a stop signal may come at any
+    moment), the last stop's mark removed (this start continues that run), the held-out documents
+    written for uptrain.eval."""
+    if overwrite:
+        clear_run_dir(run_dir, tracker_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)
+    tmp = run_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(yaml.safe_dump(run_config, sort_keys=False))
+    os.replace(tmp, run_dir / RUN_FILE)
+    if held_out is not None:
+        write_held_out(run_dir, held_out)
+
+
+def write_held_out(run_dir: Path, texts: list[str]) -> Path:
+    """run_dir/held_out.jsonl: the documents held out of the training text (data.val_fraction), one
+    {"text": ...} per line, written whole: `uptrain.eval ... --data RUN/held_out.jsonl` scores the
+    models on text the run never trained on."""
+    path = run_dir / HELD_OUT_FILE
+    tmp = run_dir / f".{HELD_OUT_FILE}.tmp"
+    tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+class MetricsLog:
+    """Append-only JSON-lines log of metric records (written by the main process only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records later than `step` (a resumed run rewrites them); -1 drops all."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line] if self.path.exists() else []
 
 
 class _TiedWeightsNotice(logging.Filter):
