@@ -73,7 +73,19 @@ def message() -> str:
     program = _state.get("program", "uptrain.convert")
     if _state["written"] is not None:
         return f"{program}: {what} after {_state['written']} was put in place; it is the complete new folder"
-    return f"{program}: {what}; {_state.get('as_it_was', 'the output folder is as it was')}"
+    line = f"{program}: {what}; {_state.get('as_it_was', 'the output folder is as it was')}"
+    describe = _state.get("leaving")
+    try:
+        left = describe() if describe is not None else ""
+    except OSError:  # a message must come out whatever the disk says
+        left = ""
+    return f"{line}; {left}" if left else line
+
+
+def leaving(describe) -> None:
+    """What a stop leaves behind on purpose, said in its one line: `describe()` returns it ('' for
+    nothing yet), e.g. the finished layers a rerun continues from (`convert/io/kept_layers.py`); None: nothing."""
+    _state["leaving"] = describe
 
 
 def written(out: Path | None) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT
+from uptrain.convert.io.kept_layers import LAYER_FILE
 
 CALIB = ["--calib", str(TRAIN_TXT), "--calib-tokens", "2000", "--refine", "--refine-steps", "20"]
 # phase -> the arguments that reach it: without --calib the kept tensors are copied while a worker
@@ -64,8 +65,16 @@ def _assert_clean_stop(proc: subprocess.Popen, out: Path, sig: int, source_befor
     text = stdout + stderr
     assert "terminate called" not in text and "Traceback" not in text, text
     assert proc.returncode == CODES[sig], text
-    assert stderr.strip().splitlines()[-1] == LINES[sig], text
-    assert sorted(p.name for p in out.parent.iterdir()) == ["out"], "a temporary folder was left beside the output"
+    beside = sorted(p.name for p in out.parent.iterdir())
+    kept = [name for name in beside if name.startswith(".out.layers-")]  # finished layers, for a rerun
+    assert [name for name in beside if name not in kept] == ["out"], "a temporary folder was left beside the output"
+    line = LINES[sig]
+    if kept:  # only whole layers (no temporary file), and the line says where and that a rerun continues
+        layers = sorted((out.parent / kept[0]).iterdir())
+        assert layers and all(LAYER_FILE.match(p.name) for p in layers), layers
+        line += (f"; {len(layers)} finished layer{'s' * (len(layers) != 1)} kept in {out.parent / kept[0]}: "
+                 f"the same command continues from there")
+    assert stderr.strip().splitlines()[-1] == line, text
     assert sorted(p.name for p in out.iterdir()) == ["marker"], "the output folder was changed"
     assert _snapshot(EXAMPLE_MHA8) == source_before, "the source checkpoint was changed"
     assert took < within_s

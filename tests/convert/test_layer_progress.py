@@ -25,6 +25,23 @@ def test_each_call_is_one_more_layer_and_the_time_left_is_extrapolated():
     assert progress_line("x", 2, 4, 10.0, indent="   ") == "   x [2/4 layers, ~10 s left]"
 
 
+def test_layers_kept_by_an_interrupted_run_count_as_done_but_not_in_the_rate(monkeypatch):
+    """A rerun takes its kept layers in moments: were they in the rate, the time left would be a
+    fraction of the truth. The clock starts after the last kept layer; the rate counts made layers."""
+    clock = [100.0]
+    monkeypatch.setattr("uptrain.convert.progress.time.monotonic", lambda: clock[0])
+    lines: list[str] = []
+    log = layer_progress(6, lines.append)
+    log.begin()
+    for i in range(3):
+        clock[0] += 0.1
+        log.kept(f"layer {i} kept")
+    clock[0] += 10.0
+    log("layer 3 made")
+    assert lines[:3] == ["layer 0 kept [1/6 layers]", "layer 1 kept [2/6 layers]", "layer 2 kept [3/6 layers]"]
+    assert lines[3] == "layer 3 made [4/6 layers, ~20 s left]"  # 10 s a made layer, 2 left
+
+
 @pytest.mark.parametrize(("argv", "what"), [
     (["--method", "fit"], r"layer \d converted \(fit\)"),
     (["--refine", "--refine-steps", "2"], r"refine layer \d: held-out error [\d.]+ -> [\d.]+ \(\d+ steps, [\d.]+ s\)"),

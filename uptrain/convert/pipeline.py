@@ -28,13 +28,13 @@ from uptrain.convert.layers.refine_layer import LayerRefiner, RefineSettings, ch
 from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.io.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
-from uptrain.errors import UsageError
 from uptrain.convert.io.hfconfig import attention_dims, load_hf_config, source_family, target_config
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
-from uptrain.convert.progress import layer_progress
+from uptrain.convert.progress import layer_progress, sequence_progress, step_lines
 from uptrain.convert.io.early import check_kv_heads  # noqa: F401 (also imported from here by the sweep and the demo)
 from uptrain.convert.io.output_dir import atomic_output_dir, check_output_path, sync_tree
+from uptrain.convert.io.kept_layers import KeptLayers, conversion_key
 from uptrain.convert.io.shards import ShardWriter, finish_shards
 from uptrain.units import parse_size
 from uptrain.convert.tensors import HeadChange, OutputTensor, plan_outputs
@@ -65,7 +65,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
             grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
             refine: RefineSettings | None = None, user: int = 0, allow_same: bool = True,
-            progress: Callable[[str], None] | None = None
+            progress: Callable[[str], None] | None = None, out: Path | None = None
             ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
 
@@ -83,9 +83,10 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     allow_expand: also accept more K/V heads than the source has (each head repeated in place,
     the same function): how GQA checkpoints become the MHA test fixtures. Not offered on the CLI.
     allow_same: accept the source's own K/V count (the CLI refuses it: nothing to convert).
-    progress: where the layer-at-a-time path (calibration, fit, refinement) writes a line per
-    layer converted, with the layers done and the time left (`progress.layer_progress`); the
-    refinement's per-layer line then goes there instead of to `refine.log`.
+    progress: where the layer-at-a-time path writes its lines (`show_progress`: per layer, with the time
+    left, the refinement's instead of to `refine.log`; inside a layer, the steps and sequences).
+    out: the output folder, where the layer-at-a-time path keeps each finished layer beside it for
+    a rerun of an interrupted conversion (`io/kept_layers.py`; the plan says what a rerun finds).
     """
     start = time.perf_counter()
     interrupt.pause("plan")
@@ -112,8 +113,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     if refine is not None:
         refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
         layerwise.refiner = refiner
-    if progress is not None and layerwise is not None:
-        layerwise.on_layer = layer_progress(dims.layers, progress)
+    show_progress(progress, layerwise, refiner, calibration, dims.layers)
     change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
                         seed, layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)
@@ -132,8 +132,58 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             plan.notes.append(start_note)
     if header_note:
         plan.notes.append(header_note)
+    if out is not None and layerwise is not None and header_note is None:  # (not a plan from Hub headers)
+        layerwise.kept = keep_layers(out, source, plan, kv_heads, seed, revision, dtype, calibration, refine)
     plan.timing_s["plan"] = time.perf_counter() - start
     return source, plan, outputs, new_config
+
+
+def keep_layers(out: Path, source: SourceCheckpoint, plan: ConversionPlan, kv_heads: int, seed: int,
+                revision: str | None, dtype: torch.dtype | None, calibration: Calibration | None,
+                refine: RefineSettings | None) -> KeptLayers:
+    """Where this layer-at-a-time conversion keeps its finished layers (`io/kept_layers.py`), with the
+    plan's notes on what an interrupted run with the same arguments, or with others, left there."""
+    c = calibration
+    settings = {"kv_heads": kv_heads, "method": plan.method, "grouping": plan.grouping, "seed": seed,
+                "revision": revision, "dtype": str(dtype), "calibration": c and [c.tokens, c.text_unit, c.device],
+                "refine": refine and [refine.steps, refine.lr, refine.inputs, refine.seed]}
+    kept = KeptLayers.beside(out, conversion_key(source.path, (i.file for i in source.tensors), settings,
+                                          c.path if c is not None else None))
+    found = kept.indices()
+    plan.kept_layers = {"folder": str(kept.folder), "found": found}
+    if found:
+        plan.notes.append(f"continues an interrupted conversion: layer{'s' * (len(found) > 1)} {_spans(found)} of "
+                          f"{plan.dims.layers} kept in {kept.folder}, taken as made (the calibration still "
+                          f"runs through them)")
+    for other in kept.others():
+        plan.notes.append(f"{other} holds layers of an interrupted conversion with other arguments: rerun "
+                          f"those to continue it, or delete it")
+    return kept
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
+
+def show_progress(progress: Callable[[str], None] | None, layerwise: Any, refiner: LayerRefiner | None,
+                  calibration: Any, layers: int) -> None:
+    """`prepare`'s progress: a line per layer converted (`layerwise.on_layer`) and, ~10 s apart, lines
+    inside a layer: the refinement's steps and the calibration pass's sequences (a sweep's handles on
+    a shared stream stay silent: one stream for several counts)."""
+    if progress is None or layerwise is None:
+        return
+    layerwise.on_layer = layer_progress(layers, progress)
+    if refiner is not None:
+        refiner.progress = lambda index: step_lines(index, progress)
+    if isinstance(calibration, Calibration):
+        calibration.progress = lambda what, total: sequence_progress(what, total, progress)
 
 
 @dataclass
@@ -281,8 +331,13 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
     """
     phases = phases or Phases()
     planned = Planned(source, plan, outputs, new_config)
+    kept = KeptLayers(plan.kept_layers["folder"]) if plan.kept_layers else None
+    interrupt.leaving(kept.describe if kept is not None else None)  # a stop says what a rerun continues from
     with atomic_output_dir(out) as tmp:
         finish_folder(tmp, planned, write_tensors(tmp, planned, max_shard_bytes, phases), phases)
+    interrupt.leaving(None)
+    if kept is not None:  # the output is in place: its layers need not be kept any longer
+        kept.remove()
 
 
 def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, seed: int = 0,
@@ -293,7 +348,7 @@ def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, 
     phases = Phases()
     max_shard = parse_size(max_shard_size)
     source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand,
-                                                grouping, calibration, refine=refine)
+                                                grouping, calibration, refine=refine, out=out)
     check_output_path(out, source.path, force)
     write_converted(source, plan, outputs, new_config, out, max_shard, phases)
     return plan

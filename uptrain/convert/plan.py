@@ -43,6 +43,9 @@ class ConversionPlan:
     head_order: dict[str, list[int]] | None = None  # --grouping similar: layer -> source query head per position
     # tensors copied byte for byte / built, their bytes, and whether the copy started before planning
     streams: dict[str, Any] | None = None
+    # layer at a time with an output: where finished layers are kept while converting, and those an
+    # interrupted run with the same arguments had kept (`io/kept_layers.py`)
+    kept_layers: dict[str, Any] | None = None
 
     @property
     def group_size(self) -> int:
@@ -141,7 +144,19 @@ def refine_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
                                     f"{probe['seconds_per_step']:.3g} s/step measured on {probe['device']} = up to "
                                     f"{human_seconds(probe['seconds_at_most'])} (early stopping usually ends sooner)"
                                     + ("; on a GPU: --device cuda" if probe["device"] == "cpu" else "")))
+    bound = (probe or {}).get("bound_s")
+    if bound:
+        rows.append(("calibration + refinement", conversion_time(bound)))
     return rows
+
+
+def conversion_time(bound: dict[str, Any]) -> str:
+    """'up to T (calibration ~C, refinement at most R)': the plan's upper bound on a refining
+    conversion's calibration and refinement (`layers/time_estimate.py`), measured while planning."""
+    calibration = (f"calibration not measured: {bound['calibration_not_measured']}" if "calibration_not_measured"
+                   in bound else f"calibration ~{human_seconds(bound['calibration'])}")
+    return (f"up to {human_seconds(bound['total'])} ({calibration}, refinement at most "
+            f"{human_seconds(bound['refinement'])}; measured on this machine at its present load)")
 
 
 def format_plan(plan: ConversionPlan) -> str:

@@ -156,7 +156,7 @@ def plan_outputs(infos: list[TensorInfo], change: HeadChange, dtype: torch.dtype
             f"{change.family.model_types[0]!r}-like weights; the checkpoint's tensor names are not the "
             f"ones this architecture uses")
     if change.layerwise is not None:
-        from uptrain.convert.layers.layerwise import rewrite_outputs
+        from uptrain.convert.layers.layer_outputs import rewrite_outputs
         outputs = rewrite_outputs(outputs, infos, change)
     return outputs
 

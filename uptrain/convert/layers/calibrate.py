@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,9 @@ class Calibration:
     _turn: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _handles: dict[int, StreamUser] = field(default_factory=dict, repr=False)
     _schedule: StreamSchedule | None = field(default=None, repr=False)
+    # (what, sequences) -> a tick per sequence of a pass (`progress.sequence_progress`: `calibrate layer 3:
+    # sequence 40/128, ...` every ~10 s, a 7B layer's pass takes minutes), set by `pipeline.prepare`; None: silent
+    progress: Callable[[str, int], Callable[[int], None]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.tokens <= 0:
@@ -306,7 +310,8 @@ class Calibration:
         self.record.update(tokens_used=used, documents=docs)
         try:
             self._stream = LayerStream(open_checkpoint(self._model_dir), config, sequences, self.device,
-                                       activation_limit=self._limit(), keep=keep, users=self.users)
+                                       activation_limit=self._limit(), keep=keep, users=self.users,
+                                       progress=self.progress)
             schedule.opened(len(self._stream.layers))
             self.record.update(mode="layer by layer",
                                activations=str(self._stream.activation_dtype).removeprefix("torch."))

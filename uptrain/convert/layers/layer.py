@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -97,9 +98,11 @@ class Layer:
     # ------------------------------------------------------------------ the run
 
     @torch.no_grad()
-    def run(self, activations: list[Tensor], dtype: torch.dtype) -> None:
+    def run(self, activations: list[Tensor], dtype: torch.dtype,
+            on_sequence: Callable[[int], None] | None = None) -> None:
         """Run every sequence ([T, D], `dtype`, CPU) through the layer, in place: the outputs replace
-        them (the next layer's inputs). Sums the moments and records what `keep` names, then frees the rest."""
+        them (the next layer's inputs). Sums the moments and records what `keep` names, then frees the rest.
+        on_sequence(k): called after the k-th sequence (a progress line: at 7B a pass takes minutes)."""
         if self.state != "new":
             raise LayerGone(f"layer {self.index} has run already")
         moments = Moments()
@@ -113,6 +116,8 @@ class Layer:
                 out = self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
                 out = out[0] if isinstance(out, tuple) else out
                 activations[s] = out[0].to("cpu", dtype)
+                if on_sequence is not None:
+                    on_sequence(s + 1)
         self._sigma, self.state = moments.mean(), "ran"
         self._keep_only_what_is_asked()
 

@@ -19,7 +19,7 @@ moments kept.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -162,12 +162,15 @@ class LayerStream:
     """
 
     def __init__(self, source: SourceCheckpoint, config: Any, sequences: list[list[int]], device: str = "cpu",
-                 activation_limit: int | None = None, keep: str = "moments", users: int = 1):
+                 activation_limit: int | None = None, keep: str = "moments", users: int = 1,
+                 progress: Callable[[str, int], Callable[[int], None]] | None = None):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         self.source, self.device = source, torch.device(device)
         self.keep, self.users = keep, users
+        # (what, sequences) -> a tick per sequence of a pass (`progress.sequence_progress`); None: silent
+        self.progress = progress
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model = model.eval()
@@ -224,6 +227,7 @@ class LayerStream:
         for i, layer in enumerate(originals):
             self.layers[i] = _Catcher(layer, i, records, last=i == len(originals) - 1)
         activations, kwargs = [], []
+        tick = self._ticker("calibrate embedding", len(sequences))
         try:
             for seq in sequences:
                 interrupt.check()
@@ -239,6 +243,8 @@ class LayerStream:
                     raise StreamUnsupported(f"its forward called {len(records)} of {len(originals)} decoder layers")
                 activations.append(records[0][0][0].to("cpu", self.activation_dtype))
                 kwargs.append([records[i][1] for i in range(len(originals))])
+                if tick is not None:
+                    tick(len(activations))
         finally:
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
@@ -273,9 +279,15 @@ class LayerStream:
         self.position += 1
         layer = Layer(i, self.prefixes[i], self._materialise(i), self.projections[i], [k[i] for k in self.kwargs],
                       self.keep, self.users, self.device)
-        layer.run(self.activations, self.activation_dtype)
+        layer.run(self.activations, self.activation_dtype,
+                  self._ticker(f"calibrate layer {i}", len(self.activations)))
         self.current = layer
         return layer
+
+    def _ticker(self, what: str, total: int) -> Callable[[int], None] | None:
+        """A tick per sequence of a pass (`calibrate layer 3: sequence 40/128, ~12 s left in this layer`
+        at most every ~10 s: a 7B layer's pass takes minutes); None where `progress` is."""
+        return None if self.progress is None else self.progress(what, total)
 
 
 @torch.no_grad()

@@ -3,10 +3,9 @@
 The streaming converter makes each output tensor from its own source tensors. These couple the
 projections of a layer (the fit folds key scales into q_proj and refits o_proj; a grouping
 permutes q/k/v rows and o_proj columns together; refinement tunes them all), so here every
-attention tensor of a layer is made from all of that layer's attention tensors, read once with
-the layer's first output: the layer is transformed once, cached, and dropped as its outputs are
-taken (memory stays near one layer). Layers are built in numeric order, so that the calibration
-stream holds layer L's original module and inputs when layer L is refined.
+attention tensor of a layer is made from all of that layer's attention tensors (`transform_layer`),
+read once with the layer's first output; how the outputs take from one made layer, in numeric
+layer order, kept for a rerun of an interrupted conversion, is `layer_outputs.py`.
 
 Which families the fit and the grouping can treat exactly is decided by `check_layerwise` from the
 config: a one-line UsageError names what works instead (`--method mean`, `--grouping
@@ -15,7 +14,6 @@ contiguous`). What the fit's start follows (partial rotary, a key norm, clip_qkv
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,7 +24,7 @@ import torch
 from uptrain.convert.registry.architectures import Family
 from uptrain.convert.registry.choices import (CALIB_HAS_NO_EFFECT, GROUPINGS, SIMILAR_NOT_RANDOM, Grouping,
                                              calibration_applies)
-from uptrain.convert.layers.fit_start import KeyRule, clip_note, fit_refusal, fit_start, key_rule, rotary_dims
+from uptrain.convert.layers.fit_start import KeyRule, fit_refusal, fit_start, key_rule, rotary_dims
 from uptrain.convert.math.fit import fit_keys_partial, fit_values, rotary_planes
 from uptrain.convert.math.normfit import merge_keys_under_norm, output_rms
 from uptrain.convert.math.grouping import group_permutation, head_similarity
@@ -56,6 +54,8 @@ class Layerwise:
     start_note: str | None = None  # the plan's line on the fit's start (`fit_start`)
     notes: list[str] | None = None  # the plan's notes (`describe_layerwise`): the clamp's activity is added
     clip_seen: dict[str, tuple[float, float]] = field(default_factory=dict)  # layer -> largest RMS / c (source, start)
+    # finished layers kept beside the output for a rerun of an interrupted conversion (`io/kept_layers.KeptLayers`)
+    kept: Any = None
 
 
 def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
@@ -216,154 +216,6 @@ def _merge_groups(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torc
                                                  rule.norm == "whole", per_head)
         return k_all, torch.stack(new_v), gamma_new
     return torch.stack(new_k), torch.stack(new_v), None
-
-
-class _LayerCache:
-    """One layer's converted tensors: computed from the layer's source tensors, which only the
-    layer's first output carries (so each is read once), and forgotten after the last is taken."""
-
-    def __init__(self, compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-                 keys: list[str], wanted: set[str], layer: str):
-        self.compute, self.keys, self.remaining, self.layer = compute, keys, set(wanted), layer
-        self.result: dict[str, torch.Tensor] | None = None
-
-    def take(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if self.result is None:
-            if len(tensors) != len(self.keys):  # outputs must be built in plan order
-                raise RuntimeError(f"{self.layer}{key} was built before the first output of its layer")
-            self.result = self.compute(dict(zip(self.keys, tensors)))
-        out = self.result.pop(key)
-        self.remaining.discard(key)
-        if not self.remaining:
-            self.result = None
-        return out
-
-
-def rewrite_outputs(outputs: list, infos: list, change) -> list:
-    """Replace the attention outputs of a planned conversion by layer-at-a-time ones.
-
-    outputs: `OutputTensor`s as planned for mean pooling (names, shapes and dtypes are right);
-    infos: the source tensors; change: the `HeadChange` (with `.layerwise` set).
-    """
-    from dataclasses import replace
-
-    d, settings, attention = change.dims, change.layerwise, change.family.attention
-    layers: dict[str, dict[str, Any]] = {}
-    for info in infos:
-        p = attention.match(info.name)
-        if p:
-            layers.setdefault(p.layer, {})[f"{p.role}.{p.param}"] = info
-    if len(layers) != d.layers:
-        raise UsageError(f"found attention projections in {len(layers)} of {d.layers} layers; "
-                         f"the layer-at-a-time conversion does not know this checkpoint's tensor names")
-    layout = change.family.qkv_layout[0] if change.family.qkv_layout else None
-    # --refine trains the key norms that carry K/V heads (StableLM, Cohere, OLMo-2) with the layer, and
-    # the fit merges keys behind them with their weights: their outputs join the layer's computation
-    norms: dict[str, dict[str, Any]] = {}  # layer -> {"norm:<name inside the attention>": planned output}
-    if settings.refiner is not None or (change.method == "fit" and settings.key_norm in ("per_head", "whole")):
-        for output in outputs:
-            layer = _norm_layer(output.spec.name, change.family)
-            if layer in layers:
-                norms.setdefault(layer, {})["norm:" + output.spec.name[len(layer):]] = output
-    caches: dict[str, _LayerCache] = {}
-    sources_of: dict[str, list] = {}
-    from uptrain.convert.layers.calibrate import layer_index
-
-    first_layer = min(layers, key=layer_index)
-    for layer, parts in layers.items():
-        keys = sorted(parts)
-        if not {"o.weight"} <= set(keys) or not ({"q.weight", "k.weight", "v.weight"} <= set(keys)
-                                                   or "qkv.weight" in keys):
-            raise UsageError(f"layer {layer.rstrip('.')} lacks some of its q/k/v/o projections")
-        layer_norms = norms.get(layer, {})
-        norm_keys = [f"{k}#{j}" for k, o in layer_norms.items() for j in range(len(o.sources))]
-        sources_of[layer] = [parts[k] for k in keys] + [o.sources[j] for o in layer_norms.values()
-                                                         for j in range(len(o.sources))]
-        compute = partial(_convert_layer, layer=layer, layer_norms=layer_norms, change=change, layout=layout,
-                          first=layer == first_layer, layers=len(layers))
-        caches[layer] = _LayerCache(compute, keys + norm_keys, set(keys) | set(layer_norms), layer)
-    result = []
-    started: set[str] = set()
-    for output in outputs:
-        p = attention.match(output.spec.name)
-        layer = p.layer if p else _norm_layer(output.spec.name, change.family)
-        if layer not in caches or (not p and layer not in norms):
-            result.append(output)
-            continue
-        key = f"{p.role}.{p.param}" if p else "norm:" + output.spec.name[len(layer):]
-        cache = caches[layer]
-        # The layer's first output reads all its tensors; the others take from the cache.
-        sources = () if layer in started else tuple(sources_of[layer])
-        started.add(layer)
-        result.append(replace(output, sources=sources,
-                              make=lambda ts, cache=cache, key=key: cache.take(key, ts),
-                              unchanged=False))  # rewritten: never a byte copy of its source
-    return _in_layer_order(result, change.family)
-
-
-def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any], change, layout: str | None,
-                   first: bool, layers: int) -> dict[str, torch.Tensor]:
-    """One layer's outputs (`_LayerCache.compute`): its start (`transform_layer`, the key norms carrying
-    K/V heads as the fit merged them or as planned), refined where `--refine` asks."""
-    from uptrain.convert.layers.calibrate import layer_index
-
-    settings, d = change.layerwise, change.dims
-    if first and settings.on_layer is not None and hasattr(settings.on_layer, "begin"):
-        settings.on_layer.begin()  # the time left counts from the first layer, not from the start
-    projections = {k: v for k, v in ts.items() if not k.startswith("norm:")}
-    weights = sorted((k for k in layer_norms if k.endswith(".weight")), key=_head_number)
-    hd = projections["o.weight"].shape[1] // d.heads
-    gamma = [ts[f"{k}#{j}"].reshape(-1) for k in weights for j in range(len(layer_norms[k].sources))]
-    if change.method == "fit" and gamma and sum(x.numel() for x in gamma) == d.kv_heads * hd:  # a row per K/V head
-        projections["knorm.weight"] = torch.cat(gamma).reshape(d.kv_heads, hd)
-    start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings, layer,
-                            layout)
-    merged = start.pop("knorm.weight", None)
-    for key, output in layer_norms.items():  # the planned pooling of the norm, where the fit did not merge it
-        start[key] = output.make([ts[f"{key}#{j}"] for j in range(len(output.sources))]).to(output.spec.dtype)
-    if merged is not None:  # the fit's norm weights, in the planned outputs' order and shapes
-        rows = merged.reshape(-1)
-        for key in weights:
-            n = layer_norms[key].spec.numel
-            start[key], rows = rows[:n].reshape(layer_norms[key].spec.shape).to(layer_norms[key].spec.dtype), rows[n:]
-    done = settings.refiner(layer, start) if settings.refiner is not None else start
-    if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
-        settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
-    if settings.on_layer is not None:
-        settings.on_layer(getattr(settings.refiner, "last_line", "")
-                          or f"layer {layer_index(layer)} converted ({change.method})")
-    return done
-
-
-def _head_number(key: str) -> tuple[int, ...]:
-    """The numbers in a norm's key ("norm:k_layernorm.norms.10.weight" -> (10,)): head order, 2 before 10."""
-    return tuple(int(n) for n in re.findall(r"\d+", key))
-
-
-def _norm_layer(name: str, family: Family) -> str | None:
-    """The attention prefix of a key-norm tensor that carries K/V heads (`Family.norms`), else None."""
-    if not any(rule.match(name) for rule in family.norms):
-        return None
-    marker = f".{family.attention.module}."
-    return name[: name.index(marker) + len(marker)] if marker in name else None
-
-
-def _in_layer_order(outputs: list, family: Family) -> list:
-    """The attention outputs moved into numeric layer order (0, 1, 2, ..., 10: tensor names sort
-    10 before 2), the others left where they are: the calibration stream runs layer by layer, so
-    layer L is built while the stream's state is at layer L (`--refine` needs its inputs)."""
-    from uptrain.convert.layers.calibrate import layer_index
-
-    def layer(name: str) -> str | None:
-        p = family.attention.match(name)
-        return p.layer if p else _norm_layer(name, family)
-
-    slots = [i for i, o in enumerate(outputs) if layer(o.spec.name)]
-    ordered = sorted(slots, key=lambda i: (layer_index(layer(outputs[i].spec.name)), i))
-    result = list(outputs)
-    for slot, i in zip(slots, ordered):
-        result[slot] = outputs[i]
-    return result
 
 
 def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_heads: int, head_dim: int,

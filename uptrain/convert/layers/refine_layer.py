@@ -38,6 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from uptrain.convert.math import refine
+from uptrain.convert.layers.time_estimate import (conversion_seconds, probe_layer_forward, probe_refine,
+                                                probe_seconds_per_step)  # noqa: F401 (imported from here too)
 from uptrain.convert.registry.architectures import Family
 from uptrain.convert.registry.choices import REFINE_INPUTS, REFINE_NOT_RANDOM
 from uptrain.errors import UsageError
@@ -102,72 +104,19 @@ def plan_held_out(lengths: list[int], documents: list[int], seed: int) -> dict[s
             "too_small": tokens < refine.MIN_HOLDOUT_TOKENS}
 
 
-def _probe_student(config: Any, device: torch.device) -> tuple[nn.Module, nn.Module | None]:
-    """An attention module of the converted family and shape (random weights, float32, on `device`)
-    and the model's rotary embedding module (None where the attention has its own), built like
-    `_student`: the class of a decoder layer's attention of a one-layer model made on `meta`."""
-    from transformers import AutoModelForCausalLM
-
+def _empty_student(original, config: Any, device: torch.device) -> nn.Module:
+    """The family's attention class with the converted config (the `original` layer's kernel), float32 on `device`."""
     config = copy.deepcopy(config)
-    config.num_hidden_layers = 1
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    attention = refine.attention_modules(model)[0]
-    with torch.device(device):
-        student = type(attention)(model.config, layer_idx=0).to(device, torch.float32)
-        rotary = next((type(m)(config=model.config) for name, m in model.named_modules()
-                       if name.endswith("rotary_emb")), None)
-    return student, rotary
+    config._attn_implementation = original.attention.config._attn_implementation
+    return type(original.attention)(config, layer_idx=original.index).to(device, torch.float32)
 
-
-def probe_seconds_per_step(config: Any, length: int, batch: int, device: str, steps: int = 3,
-                           budget_s: float = 1.0) -> float:
-    """Seconds one refine step (`batch` sequences of `length` tokens, forward, backward, Adam) takes
-    on `device`, measured: after one warm-up step, up to `steps` steps of ONE sequence each (fewer
-    once `budget_s` is spent), times `batch` (so the Adam update is counted `batch` times: an
-    upper bound). config: the converted model's text config; random inputs x [length, hidden]."""
-    import inspect
-
-    dev = torch.device(device)
-    student, rotary = _probe_student(config, dev)
-    hidden = int(config.hidden_size)
-    x = torch.randn(1, length, hidden, device=dev)
-    kwargs: dict[str, Any] = {"attention_mask": None}
-    wanted = inspect.signature(student.forward).parameters
-    position_ids = torch.arange(length, device=dev)[None]
-    if rotary is not None and "position_embeddings" in wanted:
-        extra = {}  # Gemma 3, OLMo-3: one rotary module, frequencies per layer type
-        if "layer_type" in inspect.signature(rotary.forward).parameters:
-            extra["layer_type"] = (getattr(config, "layer_types", None) or ["full_attention"])[0]
-        with torch.no_grad():
-            kwargs["position_embeddings"] = rotary(x, position_ids, **extra)
-    if "position_ids" in wanted:
-        kwargs["position_ids"] = position_ids
-    opt = torch.optim.Adam(student.parameters(), lr=1e-6)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        out = student(hidden_states=x, **kwargs)
-        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
-        opt.step()
-        if dev.type != "cpu":
-            getattr(torch, dev.type).synchronize()
-    step()  # warm-up: allocation, kernel choice
-    times: list[float] = []
-    while len(times) < steps and sum(times) < budget_s:
-        began = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - began)
-    return batch * sum(times) / len(times)
 
 
 def _student(original, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
     """The family's attention class with the converted config, float32, holding `start`; what the
     conversion leaves unchanged (a shared key/query norm) copied from the `original` layer's attention."""
     attention = original.attention
-    config = copy.deepcopy(config)
-    config._attn_implementation = attention.config._attn_implementation  # the original's kernel
-    student = type(attention)(config, layer_idx=original.index).to(device, torch.float32)
+    student = _empty_student(original, config, device)
     loaded: set[str] = set()
     with torch.no_grad():
         for module, role in family.modules.roles().items():
@@ -204,10 +153,16 @@ class LayerRefiner:
     # `--refine-inputs converted`: this conversion's own model's activations entering the next layer
     _converted: list[Tensor] | None = field(default=None, repr=False)
     last_line: str = ""  # the line of the layer refined last (what `settings.log` is given)
+    # layer index -> its `refine_attention` progress callback (`progress.step_lines`: a line every ~10 s,
+    # a 7B layer takes an hour on a CPU), set by `pipeline.prepare`; None: `settings.log.steps` where it has one
+    progress: Callable[[int], Callable[[refine.RefineProgress], None]] | None = field(default=None, repr=False)
+    # `--refine-inputs converted`: the float32 parameters of the layer refined last (kept with the layer)
+    last_state: dict[str, Tensor] | None = field(default=None, repr=False)
 
     def plan(self, dims, hidden: int, new_kv: int) -> dict[str, Any]:
         """The plan's `refinement` before any layer: `estimate`, what will be held out (the calibration
-        is tokenized now) and the measured seconds per step (`probe_seconds_per_step`). UsageError
+        is tokenized now), the measured seconds per step (`probe_refine`) and the bound on calibration +
+        refinement seconds (probe['bound_s'], `time_estimate`). UsageError
         where the calibration gives fewer than 2 sequences."""
         sequences, documents, _, _ = self.calibration.windows()
         if len(sequences) < 2:
@@ -216,14 +171,32 @@ class LayerRefiner:
         lengths = [len(s) for s in sequences]
         device = self.calibration.device
         length = max(lengths)  # the calibration window, or the longest piece of a shorter text
+        held = plan_held_out(lengths, documents, self.settings.seed)
         try:
-            seconds = probe_seconds_per_step(self.config, length, refine.BATCH, device)
-            probe = {"seconds_per_step": seconds, "seconds_at_most": seconds * self.settings.steps * dims.layers}
+            probe: dict[str, Any] = probe_refine(self.config, length, refine.BATCH, device)
+            probe["seconds_at_most"] = probe["seconds_per_step"] * self.settings.steps * dims.layers
         except (RuntimeError, TypeError, ValueError, AttributeError) as err:  # a family the probe cannot build
             probe = {"not_measured": " ".join(str(err).split())[:200] or type(err).__name__}
-        return {**estimate(dims, self.calibration.tokens, hidden, self.settings, new_kv),
-                "held_out": plan_held_out(lengths, documents, self.settings.seed),
+        else:
+            probe["bound_s"] = self._bound(probe, length, len(sequences), held["sequences"], dims.layers)
+        return {**estimate(dims, self.calibration.tokens, hidden, self.settings, new_kv), "held_out": held,
                 "probe": {**probe, "device": str(device), "sequence_tokens": length, "layers": dims.layers}}
+
+    def _bound(self, probe: dict[str, Any], length: int, sequences: int, held: int, layers: int) -> dict[str, Any]:
+        """The plan's upper bound on calibration + refinement seconds (`time_estimate`); the
+        calibration part 0, with the reason, where its probe cannot build this family's layer."""
+        forward, why = {"mean": None, "slowest": None}, None
+        try:
+            forward = probe_layer_forward(self.config, length, self.calibration.device)
+        except (RuntimeError, TypeError, ValueError, AttributeError, KeyError, IndexError, StopIteration) as err:
+            why = " ".join(str(err).split())[:200] or type(err).__name__
+        bound = conversion_seconds(probe, forward["mean"], sequences, held, self.settings.steps, layers)
+        slowest = {"seconds_per_step": probe["seconds_per_step_slowest"],
+                   "forward_seconds": probe["forward_seconds_slowest"]}
+        bound["total_from_slowest"] = conversion_seconds(slowest, forward["slowest"], sequences, held,
+                                                         self.settings.steps, layers)["total"]
+        return {**bound, "layer_forward_seconds": forward["mean"],
+                **({"calibration_not_measured": why} if why else {})}
 
     def __call__(self, layer: str, start: dict[str, Tensor]) -> dict[str, Tensor]:
         """The refined tensors of attention `layer` (its prefix) from its closed-form `start` (role.param -> tensor)."""
@@ -239,11 +212,47 @@ class LayerRefiner:
                              f"{len(inputs)}; raise --calib-tokens or use more documents")
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
                                          lr=self.settings.lr, seed=self.settings.seed,
-                                         documents=self.calibration.documents)
+                                         documents=self.calibration.documents, **self._progress(original.index))
         if self._converted is not None:  # this layer converted: its outputs enter the next one
             original.run_with(student, self._converted)
+            # kept with the layer (`io/kept_layers.py`): a rerun advances the activations exactly so
+            self.last_state = {k: p.detach().clone() for k, p in student.named_parameters()}
         self._log(original.index, result, began)
         return self._refined(student, start)
+
+    def replay(self, layer: str, state: dict[str, Tensor], row: dict[str, Any]) -> None:
+        """A layer an interrupted run kept (`layerwise._kept_layer`): the stream taken past it as `__call__`
+        takes it, with converted inputs the activations advanced through the kept attention (`state`:
+        its float32 parameters), and its record row added again (marked "kept")."""
+        if not self.calibration.streamed:
+            raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do "
+                             f"({self.calibration.record.get('why_not_streamed')}); convert without --refine")
+        original = self.calibration.layer(layer, self.user)
+        if self.settings.inputs == "converted":
+            if self._converted is None:
+                self._converted = self.calibration.first_inputs()
+            student = _empty_student(original, self.config, original.device)
+            with torch.no_grad():
+                for name, p in student.named_parameters():
+                    if name not in state:
+                        raise RuntimeError(f"the kept layer {original.index} lacks {name}; delete "
+                                           f"the kept layers folder and convert again")
+                    p.copy_(state[name])
+            original.run_with(student, self._converted)
+        self.record.setdefault("layers", []).append({**row, "layer": original.index, "kept": True})
+        before, after = row.get("error_before"), row.get("error_after")
+        errors = f" (held-out error {before:.4f} -> {after:.4f})" if before is not None and after is not None else ""
+        self.last_line = f"refine layer {original.index}: kept from the interrupted run{errors}"
+        if self.settings.log:
+            self.settings.log(self.last_line)
+
+    def _progress(self, index: int) -> dict[str, Any]:
+        """`refine_attention`'s progress keywords for layer `index` (none where nobody shows them)."""
+        lines = self.progress or getattr(self.settings.log, "steps", None)
+        if lines is None:
+            return {}
+        line = lines(index)
+        return {"progress": line, "progress_every": getattr(line, "every", refine.PROGRESS_EVERY)}
 
     def _examples(self, original) -> tuple[list[Tensor], refine.AttentionCall, list[Tensor]]:
         """The student's inputs, its call and its targets on the calibration sequences: the original

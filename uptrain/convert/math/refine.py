@@ -61,6 +61,7 @@ PATIENCE = 4
 EVAL_EVERY = 40
 MIN_DELTA = 1e-3  # relative improvement of the held-out error that counts as one
 ATOL = 1e-7  # held-out relative error treated as exact (float32 rounding is ~1e-12 of the power)
+PROGRESS_EVERY = 10.0  # seconds (wall) between two `progress` calls inside a layer's refinement
 
 
 @dataclass
@@ -84,6 +85,22 @@ class RefineResult:
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return dict(self.__dict__)
+
+
+@dataclass
+class RefineProgress:
+    """Where a layer's refinement is (`refine_attention(progress=...)`): called every `progress_every`
+    seconds and right after each held-out measurement, because at 7B shapes a layer takes an hour
+    on a CPU and a user must see it move. seconds_left: (steps - step) x the mean seconds per step
+    so far (held-out measurements included), an estimate for this layer, 0 at the last step."""
+
+    step: int  # steps done, 1..steps
+    steps: int  # the schedule's length (the held-out rule may stop sooner)
+    held_out_error: float  # the last held-out measurement (before the first: the start's)
+    best_error: float  # the best held-out error so far (the state that will be kept)
+    seconds: float  # spent in this layer's descent so far
+    seconds_left: float
+    measured: bool  # called right after a held-out measurement
 
 
 def relative_error(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], targets: Sequence[Tensor],
@@ -210,6 +227,8 @@ def _descend(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], 
     queue: list[int] = []
     best_step, bad, step, steps = 0, 0, 0, o["steps"]
     history: list[tuple[int, float]] = []
+    began = shown = time.perf_counter()
+    err = best
     for step in range(1, steps + 1):
         interrupt.pause("refine")
         interrupt.check()  # Ctrl-C: stop within a step, not at the end of the layer
@@ -224,7 +243,8 @@ def _descend(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], 
         for i in idx:  # one backward per sequence: lengths differ, nothing is padded
             ((call(student, inputs[i], i).float() - targets[i].float()).pow(2).sum() / power).backward()
         opt.step()
-        if step % o["eval_every"] == 0 or step == steps:
+        measured = step % o["eval_every"] == 0 or step == steps
+        if measured:
             err = relative_error(student, call, inputs, targets, held)
             history.append((step, err))
             if _improves(err, best, o["min_delta"], o["atol"]):
@@ -232,8 +252,13 @@ def _descend(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], 
                 best_state = {k: p.detach().clone() for k, p in params.items()}
             else:
                 bad += 1
-                if bad >= o["patience"]:
-                    return best_state, best, best_step, step, step < steps, history
+        now = time.perf_counter()
+        if o["progress"] is not None and (measured or now - shown >= o["progress_every"]):
+            shown = now
+            o["progress"](RefineProgress(step, steps, err, best, now - began, (steps - step) * (now - began) / step,
+                                         measured))
+        if bad >= o["patience"]:
+            return best_state, best, best_step, step, step < steps, history
     return best_state, best, best_step, step, False, history
 
 
@@ -260,7 +285,9 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
                      *, steps: int = STEPS, lr: float = LR, batch: int = BATCH, holdout_fraction: float = HOLDOUT,
                      patience: int = PATIENCE, eval_every: int = EVAL_EVERY, seed: int = 0,
                      min_delta: float = MIN_DELTA, atol: float = ATOL, documents: Sequence[int] | None = None,
-                     min_holdout_tokens: int = MIN_HOLDOUT_TOKENS, schedule: str = "cosine") -> RefineResult:
+                     min_holdout_tokens: int = MIN_HOLDOUT_TOKENS, schedule: str = "cosine",
+                     progress: Callable[[RefineProgress], None] | None = None,
+                     progress_every: float = PROGRESS_EVERY) -> RefineResult:
     """Tune `student`'s parameters in place so that call(student, inputs[i], i) ≈ targets[i].
 
     inputs[i]: [T_i, D] attention-module input of calibration sequence i (after the layer's input
@@ -268,7 +295,9 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
     student's device. At least 2 sequences (one is held out). documents[i]: the document sequence i
     was cut from (default: each its own), so that `split_held_out` holds out whole documents.
     schedule: "cosine" (warm-up, cosine decay, then the output solve) or "constant" (the optimiser
-    before issue 43: a constant rate, no solve; for comparisons). Returns the errors before and after.
+    before issue 43: a constant rate, no solve; for comparisons). progress: called with a
+    `RefineProgress` at most every `progress_every` seconds (wall) and after each held-out measurement.
+    Returns the errors before and after.
     """
     n = len(inputs)
     if n != len(targets) or n < 2:
@@ -278,7 +307,7 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
                          f"in {SCHEDULES}")
     start = time.perf_counter()
     o = dict(steps=steps, lr=lr, batch=batch, patience=patience, eval_every=eval_every, seed=seed,
-             min_delta=min_delta, atol=atol, schedule=schedule)
+             min_delta=min_delta, atol=atol, schedule=schedule, progress=progress, progress_every=progress_every)
     documents = list(range(n)) if documents is None else list(documents)
     lengths = [int(x.shape[0]) for x in inputs]
     held, train = split_held_out(lengths, documents, holdout_fraction, min_holdout_tokens, seed)

@@ -1,0 +1,169 @@
+"""A rerun of an interrupted layer-at-a-time conversion continues from the last finished layer, and
+its output equals an uninterrupted conversion's, tensor for tensor, wherever the stop landed.
+
+Real processes and real signals: `python -m uptrain.convert` on the bundled 5-layer stories260K
+with `--method fit --refine`, paused right after layer k was kept (UPTRAIN_TEST_PAUSE_AT=kept-k,
+`uptrain.interrupt.pause`) and stopped by SIGTERM after a delay (0 s: between layers; 0.25 s:
+inside the next layer's refinement), once or twice, then rerun to the end with the same arguments.
+`io/kept_layers.py` is the unit under test; `KeptLayers` and `conversion_key` are also tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT
+from uptrain.convert.io.kept_layers import KeptLayers, conversion_key
+
+BASE = ["--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens", "4096", "--threads", "1"]
+REFINE = ["--refine", "--refine-steps", "40"]
+# the kinds of layer-at-a-time conversion: refinement on either inputs, and the fit with similar-head
+# grouping without refinement (the head order each kept layer carries must come back)
+KINDS = {"original": [*REFINE, "--refine-inputs", "original"], "converted": [*REFINE, "--refine-inputs", "converted"],
+         "similar": ["--grouping", "similar"]}
+
+
+def _convert(out: Path, extra: list[str], pause: str | None = None, delay: float = 0.0) -> subprocess.CompletedProcess:
+    """The CLI into `out`; with `pause` ('kept-K'), stopped by SIGTERM `delay` s after it paused there."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if pause:
+        env["UPTRAIN_TEST_PAUSE_AT"] = f"{pause}:0"  # announce and go on: the signal lands `delay` later
+    cmd = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), *BASE, *extra, "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    if pause:
+        for line in proc.stderr:
+            if line.strip() == f"paused at {pause}":
+                time.sleep(delay)
+                proc.send_signal(signal.SIGTERM)
+                break
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _assert_same_output(got: Path, want: Path) -> None:
+    a, b = _tensors(got), _tensors(want)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
+    records = [json.loads((f / "uptrain_conversion.json").read_text()) for f in (got, want)]
+    assert records[0]["head_order"] == records[1]["head_order"]
+    rows = [(r["refinement"] or {}).get("layers", []) for r in records]
+    assert [(r["layer"], r["error_after"]) for r in rows[0]] == [(r["layer"], r["error_after"]) for r in rows[1]]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Path]:
+    """The uninterrupted conversion of each kind."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    outs = {}
+    for kind, extra in KINDS.items():
+        outs[kind] = base / kind
+        done = _convert(outs[kind], extra)
+        assert done.returncode == 0, done.stderr
+    return outs
+
+
+# (kind, the stops before the run that finishes: (pause, delay) each)
+CASES = [("original", [("kept-0", 0.0)]),
+         ("original", [("kept-2", 0.25)]),  # inside layer 3's refinement
+         ("original", [("kept-3", 0.0)]),  # the last layer left
+         ("original", [("kept-0", 0.25), ("kept-3", 0.25)]),  # stopped twice, then finished
+         ("converted", [("kept-1", 0.25)]),  # the kept float32 attention advances the converted inputs
+         ("similar", [("kept-2", 0.0)])]
+
+
+@pytest.mark.parametrize(("kind", "stops"), CASES, ids=[f"{i}-" + "+".join(f"{p}@{d}" for p, d in s)
+                                                          for i, s in CASES])
+def test_a_rerun_continues_where_the_stop_left_and_equals_an_uninterrupted_conversion(kind, stops, uninterrupted,
+                                                                                      tmp_path):
+    out = tmp_path / "out"
+    extra = KINDS[kind]
+    kept_before = 0
+    for pause, delay in stops:
+        stopped = _convert(out, extra, pause, delay)
+        assert stopped.returncode == 143, stopped.stderr
+        folders = list(tmp_path.glob(".out.layers-*"))
+        assert len(folders) == 1 and not out.exists()
+        kept = KeptLayers(folders[0]).indices()
+        assert kept == list(range(len(kept))) and len(kept) >= int(pause.split("-")[1]) + 1 > kept_before
+        assert stopped.stderr.strip().splitlines()[-1].endswith(
+            f"{len(kept)} finished layer{'s' * (len(kept) != 1)} kept in {folders[0]}: the same command continues "
+            f"from there")
+        kept_before = len(kept)
+    finished = _convert(out, extra)
+    assert finished.returncode == 0, finished.stderr
+    span = "layer 0" if kept_before == 1 else f"layers 0-{kept_before - 1}"
+    assert f"continues an interrupted conversion: {span} of 5" in " ".join(finished.stdout.split())
+    assert len(re.findall(r"kept from the interrupted run", finished.stdout)) == kept_before
+    made = re.findall(r"refine layer \d+: held-out error \S+ -> \S+ \(\d+ steps|layer \d+ converted", finished.stdout)
+    assert len(made) == 5 - kept_before  # only the layers not kept were made
+    assert list(tmp_path.iterdir()) == [out], "the kept layers were not removed once the output was in place"
+    _assert_same_output(out, uninterrupted[kind])
+
+
+def test_a_rerun_with_other_arguments_starts_again_and_leaves_the_other_layers(tmp_path):
+    out = tmp_path / "out"
+    assert _convert(out, REFINE, "kept-1").returncode == 143
+    [theirs] = tmp_path.glob(".out.layers-*")
+    other = _convert(out, [*REFINE, "--refine-steps", "30"])
+    assert other.returncode == 0, other.stderr
+    text = " ".join(other.stdout.split())
+    assert f"{theirs} holds layers of an interrupted conversion with other arguments" in text
+    assert "continues an interrupted conversion" not in text and "kept from the interrupted run" not in other.stdout
+    assert sorted(tmp_path.iterdir()) == sorted([out, theirs]) and KeptLayers(theirs).indices()[:2] == [0, 1]
+
+
+def test_kept_layers_are_whole_files_and_load_as_saved(tmp_path):
+    kept = KeptLayers.beside(tmp_path / "out", "abc")
+    assert kept.indices() == [] and kept.describe() == "" and not kept.folder.exists()
+    tensors = {"q.weight": torch.randn(4, 3, dtype=torch.bfloat16), "norm:k_norm.weight": torch.ones(2),
+               "student:o_proj.weight": torch.randn(3, 4)}
+    kept.save(3, tensors, {"refine": {"error_after": 0.5}, "head_order": [1, 0]})
+    (kept.folder / ".layer-00004.safetensors.tmp-123").write_bytes(b"half a layer")  # a write a stop cut short
+    assert kept.indices() == [3] and kept.load(4) is None
+    got, note = kept.load(3)
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) and got[k].dtype == v.dtype
+                                                for k, v in tensors.items())
+    assert note == {"refine": {"error_after": 0.5}, "head_order": [1, 0]}
+    assert kept.describe().startswith("1 finished layer kept in")
+    kept.remove()
+    assert not kept.folder.exists()
+
+
+def test_the_key_changes_with_every_input_of_the_layers(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    weights = source / "model.safetensors"
+    weights.write_bytes(b"x" * 10)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("text")
+    settings = {"kv_heads": 2, "method": "fit", "refine": [400, 0.06, "original", 0]}
+    key = conversion_key(source, [weights, weights], settings, calib)
+    assert key == conversion_key(source, [weights], dict(settings), calib)  # the same inputs, the same key
+    changed = [conversion_key(source, [weights], {**settings, "kv_heads": 1}, calib),
+               conversion_key(source, [weights], {**settings, "refine": [401, 0.06, "original", 0]}, calib),
+               conversion_key(source, [weights], settings, None)]
+    (source / "config.json").write_text('{"model_type": "llama", "x": 1}')
+    changed.append(conversion_key(source, [weights], settings, calib))
+    weights.write_bytes(b"y" * 11)
+    changed.append(conversion_key(source, [weights], settings, calib))
+    calib.write_text("other text")
+    changed.append(conversion_key(source, [weights], settings, calib))
+    assert len({key, *changed}) == 1 + len(changed)

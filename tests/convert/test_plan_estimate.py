@@ -1,0 +1,59 @@
+"""The plan's `calibration + refinement` row (issue 43, "time a user can plan"): an upper bound on what
+a refining conversion spends calibrating and refining, measured while planning
+(`uptrain/convert/layers/time_estimate.py`; the bound measured idle and under load:
+results/plan-estimate.md, scripts/plan_estimate_check.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import EXAMPLE_MHA8, TRAIN_TXT
+from families import GQA_TYPES, tiny_config
+from uptrain.convert.__main__ import main
+from uptrain.convert.layers.time_estimate import conversion_seconds, probe_layer_forward
+from uptrain.convert.math import refine
+from uptrain.convert.plan import conversion_time
+
+ROW = re.compile(r"^calibration \+ refinement +up to ([\d.,]+) (s|min|h) \(calibration ~([\d.,]+) (s|min|h), "
+                 r"refinement at most ([\d.,]+) (s|min|h); measured on this machine at its present load\)$")
+
+
+def test_the_bound_counts_the_steps_and_every_forward_without_gradients():
+    probe = {"seconds_per_step": 2.0, "forward_seconds": 0.5}
+    b = conversion_seconds(probe, 0.25, sequences=10, held=3, steps=100, layers=4)
+    measured = 100 // refine.EVAL_EVERY + 1  # every EVAL_EVERY steps, and the last
+    forwards = measured * 3 + 10 + 2 * 7 + 3 + 1  # held-out checks, before, solve + after, solve's check, +1
+    assert b["refinement"] == pytest.approx(4 * (100 * 2.0 + forwards * 0.5))
+    assert b["calibration"] == pytest.approx((4 + 1) * 10 * 0.25)  # the embedding pass as one more layer
+    assert b["total"] == pytest.approx(b["calibration"] + b["refinement"])
+    assert conversion_seconds(probe, None, 10, 3, 80, 4)["calibration"] == 0
+    assert conversion_time({"total": 90.0, "calibration": 10.0, "refinement": 80.0}) == \
+        ("up to 1.5 min (calibration ~10 s, refinement at most 1.33 min; measured on this machine at its present load)")
+
+
+def test_a_refining_conversion_takes_at_most_one_and_a_half_times_the_planned_bound(tmp_path, capsys,
+                                                                                    one_torch_thread):
+    """A real conversion (stories260K, 2,048 calibration tokens, 40 steps): the plan prints the row, and
+    calibration + refinement as recorded take at most 1.5x its bound (a bound, not a timing)."""
+    out = tmp_path / "out"
+    assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT),
+                 "--calib-tokens", "2048", "--refine", "--refine-steps", "40", "--out", str(out)]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("calibration + refinement"))
+    assert ROW.match(row), row
+    record = json.loads((out / "uptrain_conversion.json").read_text())
+    bound = record["refinement"]["probe"]["bound_s"]
+    assert bound["total"] == pytest.approx(bound["calibration"] + bound["refinement"])
+    assert bound["calibration"] > 0 and bound["refinement"] > record["refinement"]["probe"]["seconds_at_most"]
+    actual = record["calibration"]["seconds"] + sum(x["seconds_with_setup"] for x in record["refinement"]["layers"])
+    assert actual <= 1.5 * bound["total"], (actual, bound)
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t in GQA_TYPES if t != "falcon"))  # falcon: refused
+def test_the_calibration_probe_builds_every_refinable_family(model_type, one_torch_thread):
+    """Each registry family's decoder layer (rotary per layer type, partial rotary, key norms, fused
+    qkv) runs the calibration probe: a positive time, no 'calibration not measured' in the plan."""
+    times = probe_layer_forward(tiny_config(model_type, GQA_TYPES[model_type]), 16, "cpu", budget_s=0.05)
+    assert times["slowest"] > 0 and times["mean"] > 0

@@ -1,0 +1,136 @@
+"""Finished layers kept beside the output, so that a rerun of an interrupted conversion continues
+from the last finished layer instead of starting again.
+
+A conversion with `--method fit`, `--grouping similar` or `--refine` makes its attention layers one
+at a time (`layers/layerwise.py`); refining one layer of a 7B model on a CPU takes an hour. Each
+layer, once made, is written at once to `.DIR.layers-KEY/layer-00012.safetensors` beside the
+output DIR: under a temporary name, fsynced, then renamed, so a file there is always a whole
+layer. The folder is made with the first layer and removed once DIR is in place.
+
+KEY (`conversion_key`) is a hash of everything a layer's tensors depend on: the source's config
+and weight files (names, sizes, modification times), the K/V count, method, grouping, seed, output
+dtype, the calibration text (path, size, modification time), its tokens, text unit and device,
+the refinement's settings, and the versions of uptrain, torch and transformers. A rerun with the
+same arguments finds the folder and takes its layers as they are (the calibration stream still
+runs through them: later layers need its statistics and activations); other arguments give
+another KEY, and the plan names the folder they left.
+
+What a kept layer holds: the layer's output tensors exactly as the conversion made them (keys
+"q.weight", "o.weight", "norm:<name>", ...), with `--refine-inputs converted` also the refined
+attention module's float32 parameters ("student:<name>", which advance the converted activations
+exactly as an uninterrupted run does), and a JSON note (the refinement's record row, the head
+order of `--grouping similar`, the clamp's activity for clip_qkv). Standard library, torch and
+safetensors only; no model code.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYER_FILE = re.compile(r"^layer-(\d{5})\.safetensors$")
+
+
+def _file_facts(path: Path) -> list[Any]:
+    """What identifies a file's content without reading it: resolved path, size, modification time."""
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def conversion_key(source_dir: Path, weight_files: Iterable[Path], settings: dict[str, Any],
+                   calib_file: Path | None) -> str:
+    """A 16-hex-digit hash of a layer-at-a-time conversion's inputs (see the module doc).
+
+    settings: the conversion's arguments that change its layers (K/V count, method, grouping, seed,
+    dtype, calibration tokens/unit/device, refinement settings), JSON-serialisable values."""
+    import transformers
+
+    from uptrain import __version__
+
+    parts = {
+        "config": (Path(source_dir) / "config.json").read_text(encoding="utf-8"),
+        "weights": sorted(_file_facts(Path(f)) for f in set(weight_files)),
+        "calib": _file_facts(Path(calib_file)) if calib_file is not None else None,
+        "settings": settings,
+        "versions": [__version__, torch.__version__, transformers.__version__],
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class KeptLayers:
+    """The kept layers of one conversion, in `folder` (made on the first `save`)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    @classmethod
+    def beside(cls, out: Path, key: str) -> "KeptLayers":
+        """Those of the conversion with `key` into output `out`: `.OUT.layers-KEY` beside it."""
+        out = Path(out).absolute()
+        return cls(out.parent / f".{out.name}.layers-{key}")
+
+    def indices(self) -> list[int]:
+        """The layers kept, in order (temporary files of an interrupted write are not layers)."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m[1]) for p in self.folder.iterdir() if (m := LAYER_FILE.match(p.name)))
+
+    def others(self) -> list[Path]:
+        """Kept-layer folders beside the same output left by conversions with other arguments."""
+        stem = self.folder.name.rsplit("-", 1)[0]  # '.OUT.layers'
+        return sorted(p for p in self.folder.parent.glob(f"{glob.escape(stem)}-*") if p.is_dir() and p != self.folder)
+
+    def _path(self, index: int) -> Path:
+        return self.folder / f"layer-{index:05d}.safetensors"
+
+    def load(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """Layer `index`'s tensors (as saved, on the CPU) and its note, or None if it is not kept."""
+        from safetensors import safe_open
+
+        path = self._path(index)
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            note = json.loads((f.metadata() or {}).get("uptrain", "{}"))
+        return tensors, note
+
+    def save(self, index: int, tensors: dict[str, torch.Tensor], note: dict[str, Any]) -> None:
+        """Keep layer `index`: written under a temporary name, fsynced, renamed into place (whole or absent)."""
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(index)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"uptrain": json.dumps(note, default=str)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        directory = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def remove(self) -> None:
+        """Forget the kept layers (the output they were for is in place)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def describe(self) -> str:
+        """What a stopped run leaves here, for its one line ('' when no layer is kept yet)."""
+        kept = self.indices()
+        if not kept:
+            return ""
+        return (f"{len(kept)} finished layer{'s' if len(kept) != 1 else ''} kept in {self.folder}: the same command "
+                f"continues from there")
