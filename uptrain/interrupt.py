@@ -24,7 +24,8 @@ The Python API (`convert`, the demo; no `install()`): a KeyboardInterrupt in the
 Test hook: UPTRAIN_TEST_PAUSE_AT="PHASE[:SECONDS]" makes `pause(PHASE)` print 'paused at PHASE'
 on stderr the first time the run reaches PHASE and wait SECONDS (default 60) or until stopped.
 Phases: import, plan, copy (the kept tensors, also while planning), calibrate, refine, write
-(building and writing shards), rename (just before the folder is put in place).
+(building and writing shards), kept-K (layer K of a layer-at-a-time conversion kept for a rerun:
+`convert/io/kept_layers.py`), rename (just before the folder is put in place).
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@
 # Then: export SLURM_CONF=$STATE/slurm.conf (what `up` prints) and use sbatch, squeue, scontrol.
 # Environment: UPTRAIN_SLURM_STATE state folder (default /tmp/uptrain-slurm: config, spool, logs,
 # pid files); UPTRAIN_SLURM_PORT slurmctld's port (default 6917; slurmd gets the next one).
-# Idempotent: `up` on a running cluster only checks it. Needs root (SlurmUser=root) and only
-# loopback addresses. Exit codes: 0 up/down, 3 Slurm or munge is missing and cannot be installed,
-# 4 a daemon did not start (the last lines of its log are printed).
+# Idempotent: `up` on a running cluster only checks it; a fresh start has an empty queue (jobs of
+# an earlier, stopped cluster are not brought back). Needs root (SlurmUser=root) and only loopback
+# addresses. Exit codes: 0 up/down, 3 Slurm or munge is missing and cannot be installed, 4 a daemon
+# did not start (the last lines of its log are printed).
 set -euo pipefail
 STATE=${UPTRAIN_SLURM_STATE:-/tmp/uptrain-slurm}
 PORT=${UPTRAIN_SLURM_PORT:-6917}
@@ -116,9 +117,14 @@ up() {
   start_munge
   running "$STATE/slurmctld.pid" || write_conf
   if ! running "$STATE/slurmctld.pid"; then
-    slurmctld -f "$CONF" || { say "slurmctld failed:"; tail -n 20 "$STATE/slurmctld.log" >&2; exit 4; }
+    # A fresh start begins with an empty queue (-c): the state saved by an earlier controller holds
+    # jobs whose processes died with it. Recovered, such a job counts as running on the (exclusive)
+    # node, so every new job would wait behind a ghost: seen in CI after a cluster was stopped mid-job.
+    rm -rf "$STATE/state" && mkdir -p "$STATE/state"
+    slurmctld -c -f "$CONF" || { say "slurmctld failed:"; tail -n 20 "$STATE/slurmctld.log" >&2; exit 4; }
   fi
   if ! running "$STATE/slurmd.pid"; then
+    rm -rf "$STATE/spool" && mkdir -p "$STATE/spool"  # the dead slurmd's job step records
     slurmd -f "$CONF" || { say "slurmd failed:"; tail -n 20 "$STATE/slurmd.log" >&2; exit 4; }
   fi
   for _ in $(seq 100); do

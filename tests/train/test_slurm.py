@@ -95,15 +95,23 @@ def _job(conf: str, job: str) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def _wait_for(what: str, check, timeout: float, log: Path, period: float = 0.05):
+def _wait_for(what: str, check, timeout: float, log: Path, period: float = 0.05, conf: str | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(period)
-    text = log.read_text() if log.exists() else "(no log)"
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; job log:\n{text[-4000:]}")
+    text = log.read_text() if log.exists() else "(no log: the job never started)"
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; {_queue(conf)}job log:\n{text[-4000:]}")
+
+
+def _queue(conf: str | None) -> str:
+    """The queue and the node as Slurm sees them (why a job waits), for a failure message."""
+    if conf is None:
+        return ""
+    run = lambda *cmd: subprocess.run(cmd, env=_env(conf), capture_output=True, text=True, timeout=30).stdout
+    return f"queue:\n{run('squeue', '-o', '%i %T %r %M')}node: {run('sinfo', '-h', '-N', '-o', '%N %t')}"
 
 
 def _logged_steps(run_dir: Path) -> int:
@@ -172,7 +180,7 @@ def test_a_job_uses_the_grace_slurm_was_given_through_sbatch_signal(cluster, tmp
     run_dir.mkdir()
     (run_dir / "finished.json").write_text("{}")
     job = _submit(cluster, run_dir, log, _args(run_dir), SBATCH_SIGNAL="B:USR1@45")
-    _wait_for("the job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 120, log, period=0.5)
+    _wait_for("the job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 120, log, period=0.5, conf=cluster)
     text = log.read_text()
     assert _job(cluster, job)["JobState"] == "COMPLETED", text
     assert "restart 0]: grace 45s (SBATCH_SIGNAL=B:USR1@45)" in text and "already finished" in text, text
@@ -189,7 +197,7 @@ def _wait_for_requeue(conf: str, job: str, log: Path, restarts: int = 1) -> None
             raise AssertionError(f"job ended without requeue {restarts}: {fields.get('JobState')}, ExitCode "
                                  f"{fields.get('ExitCode')}; job log:\n{log.read_text()[-4000:]}")
         return fields.get("Restarts") == str(restarts)
-    _wait_for(f"the job to requeue itself (restart {restarts})", requeued, 120, log, period=0.2)
+    _wait_for(f"the job to requeue itself (restart {restarts})", requeued, 120, log, period=0.2, conf=conf)
 
 
 def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_and_resume_exactly(
@@ -210,7 +218,7 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
     job = _submit(cluster, run_dir, log, _args(run_dir, **{"checkpoint.every": 2}),
                   UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:70:until-stop")
     _wait_for("the step-2 checkpoint write", lambda: (run_dir / "checkpoints" / ".tmp-checkpoint-00000002").is_dir()
-              or _logged_steps(run_dir) > 2, 180, log)
+              or _logged_steps(run_dir) > 2, 180, log, conf=cluster)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=4"], env=_env(cluster), check=True, timeout=30)
     _wait_for_requeue(cluster, job, log, restarts=1)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED"], env=_env(cluster), check=True,
@@ -224,12 +232,12 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
     assert len(first) == 1 and 2 <= int(first[0]) < STEPS - 10, text[-4000:]
 
     k = int(first[0]) + 3  # logged by the restart itself, well before the end
-    _wait_for(f"step {k} in metrics.jsonl", lambda: _logged_steps(run_dir) >= k, 180, log)
+    _wait_for(f"step {k} in metrics.jsonl", lambda: _logged_steps(run_dir) >= k, 180, log, conf=cluster)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=_env(cluster), check=True, timeout=30)
     _wait_for_requeue(cluster, job, log, restarts=2)
     assert "restart 1]: got SIGUSR1: passing SIGUSR1 to the training step" in log.read_text(), log.read_text()[-4000:]
 
-    _wait_for("the requeued job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 150, log, period=0.5)
+    _wait_for("the requeued job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 150, log, period=0.5, conf=cluster)
     fields, text = _job(cluster, job), log.read_text()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "2", (fields, text[-4000:])
     stopped = [int(s) for s, of in re.findall(r"stopped by SIGUSR1 after step (\d+) of (\d+)", text) if int(of) == STEPS]
@@ -243,3 +251,34 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
     for s, loss in reference.items():
         assert losses[s] == pytest.approx(loss, abs=1e-5), s
     assert not (run_dir / "preempted.json").exists()
+
+
+def test_a_cluster_stopped_mid_job_starts_again_with_an_empty_queue(cluster, tmp_path):
+    # The cluster is stopped while a job runs (a CI run cut off, a second checkout's tests ending):
+    # started again, it must not bring that job back. A recovered job would count as running on the
+    # exclusive node, and every new job would wait behind it (CI failed that way once).
+    env = {**os.environ, "UPTRAIN_SLURM_STATE": str(STATE)}
+    ghost = subprocess.run(["sbatch", "--parsable", "--exclusive", f"--output={tmp_path / 'ghost.log'}",
+                            "--wrap", "sleep 600"], env=_env(cluster), capture_output=True, text=True, timeout=60)
+    assert ghost.returncode == 0, ghost.stderr
+    ghost_id = ghost.stdout.strip().split(";")[0]
+    _wait_for("the first job to run", lambda: _job(cluster, ghost_id).get("JobState") == "RUNNING", 60,
+              tmp_path / "ghost.log", period=0.2, conf=cluster)
+    # Everything Slurm runs dies at once (a container restarted, a machine rebooted; /tmp survives).
+    for name in ("slurmctld", "slurmd"):
+        os.kill(int((STATE / f"{name}.pid").read_text()), 9)
+    subprocess.run(["pkill", "-9", "slurmstepd"], timeout=30)
+    subprocess.run(["pkill", "-9", "-f", "^sleep 600$"], timeout=30)
+    _wait_for("the daemons to die", lambda: not any(_alive((STATE / f"{n}.pid").read_text())
+                                                      for n in ("slurmctld", "slurmd")), 30, tmp_path / "ghost.log")
+    proc = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=_env(cluster), capture_output=True, text=True,
+                           timeout=30).stdout
+    assert queue.strip() == "", queue
+    log = tmp_path / "next.log"
+    job = subprocess.run(["sbatch", "--parsable", "--exclusive", f"--output={log}", "--wrap", "echo ran"],
+                         env=_env(cluster), capture_output=True, text=True, timeout=60).stdout.strip().split(";")[0]
+    _wait_for("the next job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 60, log, period=0.2,
+              conf=cluster)
+    assert _job(cluster, job)["JobState"] == "COMPLETED" and log.read_text().strip() == "ran"
