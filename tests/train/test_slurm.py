@@ -54,15 +54,20 @@ def cluster():
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root): run the tests as root")
     was_up = all((STATE / f"{d}.pid").is_file() and _alive((STATE / f"{d}.pid").read_text()) for d in ("slurmctld", "slurmd"))
-    env = {**os.environ, "UPTRAIN_SLURM_STATE": str(STATE)}
-    up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=900)
+    up = _cluster_script("up")
     if up.returncode in (3, 4):  # 3: cannot install slurm-wlm/munge here, 4: a daemon did not start
         pytest.skip(f"no local Slurm cluster: {up.stderr.strip()[-1500:]}")
     assert up.returncode == 0, up.stderr
     conf = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
     yield conf
     if not was_up:
-        subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, timeout=60)
+        _cluster_script("down")
+
+
+def _cluster_script(step: str) -> subprocess.CompletedProcess:
+    """`scripts/slurm/local_cluster.sh STEP` on this test's state folder."""
+    return subprocess.run(["bash", str(CLUSTER), step], env={**os.environ, "UPTRAIN_SLURM_STATE": str(STATE)},
+                          capture_output=True, text=True, timeout=900)
 
 
 def _alive(pid: str) -> bool:
@@ -180,7 +185,8 @@ def test_a_job_uses_the_grace_slurm_was_given_through_sbatch_signal(cluster, tmp
     run_dir.mkdir()
     (run_dir / "finished.json").write_text("{}")
     job = _submit(cluster, run_dir, log, _args(run_dir), SBATCH_SIGNAL="B:USR1@45")
-    _wait_for("the job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 120, log, period=0.5, conf=cluster)
+    _wait_for("the job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 120, log, period=0.5,
+              conf=cluster)
     text = log.read_text()
     assert _job(cluster, job)["JobState"] == "COMPLETED", text
     assert "restart 0]: grace 45s (SBATCH_SIGNAL=B:USR1@45)" in text and "already finished" in text, text
@@ -237,7 +243,8 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
     _wait_for_requeue(cluster, job, log, restarts=2)
     assert "restart 1]: got SIGUSR1: passing SIGUSR1 to the training step" in log.read_text(), log.read_text()[-4000:]
 
-    _wait_for("the requeued job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 150, log, period=0.5, conf=cluster)
+    _wait_for("the requeued job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 150, log, period=0.5,
+              conf=cluster)
     fields, text = _job(cluster, job), log.read_text()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "2", (fields, text[-4000:])
     stopped = [int(s) for s, of in re.findall(r"stopped by SIGUSR1 after step (\d+) of (\d+)", text) if int(of) == STEPS]
@@ -253,32 +260,38 @@ def test_time_limit_warning_and_usr1_to_the_batch_shell_each_checkpoint_requeue_
     assert not (run_dir / "preempted.json").exists()
 
 
+def _wrap(conf: str, log: Path, command: str) -> str:
+    """Submit `command` as a job that needs the whole node (as the template's jobs do); its id."""
+    proc = subprocess.run(["sbatch", "--parsable", "--exclusive", f"--output={log}", "--wrap", command],
+                          env=_env(conf), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
 def test_a_cluster_stopped_mid_job_starts_again_with_an_empty_queue(cluster, tmp_path):
-    # The cluster is stopped while a job runs (a CI run cut off, a second checkout's tests ending):
-    # started again, it must not bring that job back. A recovered job would count as running on the
-    # exclusive node, and every new job would wait behind it (CI failed that way once).
-    env = {**os.environ, "UPTRAIN_SLURM_STATE": str(STATE)}
-    ghost = subprocess.run(["sbatch", "--parsable", "--exclusive", f"--output={tmp_path / 'ghost.log'}",
-                            "--wrap", "sleep 600"], env=_env(cluster), capture_output=True, text=True, timeout=60)
-    assert ghost.returncode == 0, ghost.stderr
-    ghost_id = ghost.stdout.strip().split(";")[0]
-    _wait_for("the first job to run", lambda: _job(cluster, ghost_id).get("JobState") == "RUNNING", 60,
-              tmp_path / "ghost.log", period=0.2, conf=cluster)
+    # The cluster is stopped while a job runs and another waits (a CI run cut off, a second
+    # checkout's tests ending): started again, it must bring neither back. A recovered running job
+    # would count as running on the exclusive node, and every new job would wait behind it (CI
+    # failed that way once); a recovered waiting one would take the node first.
+    running = _wrap(cluster, tmp_path / "running.log", "sleep 600")
+    waiting = _wrap(cluster, tmp_path / "waiting.log", "sleep 600")
+    _wait_for("one job running, one waiting", lambda: (_job(cluster, running).get("JobState"),
+              _job(cluster, waiting).get("JobState")) == ("RUNNING", "PENDING"), 60, tmp_path / "running.log",
+              period=0.2, conf=cluster)
     # Everything Slurm runs dies at once (a container restarted, a machine rebooted; /tmp survives).
     for name in ("slurmctld", "slurmd"):
         os.kill(int((STATE / f"{name}.pid").read_text()), 9)
     subprocess.run(["pkill", "-9", "slurmstepd"], timeout=30)
     subprocess.run(["pkill", "-9", "-f", "^sleep 600$"], timeout=30)
     _wait_for("the daemons to die", lambda: not any(_alive((STATE / f"{n}.pid").read_text())
-                                                      for n in ("slurmctld", "slurmd")), 30, tmp_path / "ghost.log")
-    proc = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+                                                      for n in ("slurmctld", "slurmd")), 30, tmp_path / "running.log")
+    up = _cluster_script("up")
+    assert up.returncode == 0, up.stderr
     queue = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=_env(cluster), capture_output=True, text=True,
                            timeout=30).stdout
     assert queue.strip() == "", queue
     log = tmp_path / "next.log"
-    job = subprocess.run(["sbatch", "--parsable", "--exclusive", f"--output={log}", "--wrap", "echo ran"],
-                         env=_env(cluster), capture_output=True, text=True, timeout=60).stdout.strip().split(";")[0]
+    job = _wrap(cluster, log, "echo ran")
     _wait_for("the next job to end", lambda: _job(cluster, job).get("JobState") in ENDED, 60, log, period=0.2,
               conf=cluster)
     assert _job(cluster, job)["JobState"] == "COMPLETED" and log.read_text().strip() == "ran"
