@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 import shutil
 
@@ -88,7 +89,7 @@ def test_teacher_samples_train_resume_and_compare_with_file_data(tmp_path, gqa2,
 
 @pytest.mark.parametrize("extra, message", [
     ({"distill.teacher": "null"}, "data.train.teacher_samples needs distill.teacher"),
-    ({"data.train.teacher_samples": "{tokens: 0}"}, "tokens, max_new_tokens and batch must be at least 1"),
+    ({"data.train.teacher_samples": "{tokens: 0}"}, "tokens and max_new_tokens must be at least 1"),
     ({"data.train.teacher_samples": "{tokens: 100, top_p: 0}"}, "top_p in (0, 1]"),
     ({"data.train.files": f"[{TRAIN_TXT}]"}, "teacher_samples is a data source of its own"),
     ({"data.train.teacher_samples": "{tokens: 100, prompts: /nonexistent/prompts.txt}"}, "prompts file not found"),
@@ -145,12 +146,15 @@ def test_a_sample_is_split_into_documents_at_bos():
     from uptrain.train.model.teacher_samples import generate_documents
 
     model, tok = AutoModelForCausalLM.from_pretrained(MHA8).eval(), AutoTokenizer.from_pretrained(MHA8)
-    for seed in range(2):
+    split = 0
+    for seed in range(6):
         ts = TeacherSamples(tokens=1, max_new_tokens=400, batch=1, seed=seed)  # tokens=1: exactly one row
         texts, n = generate_documents(model, tok, ts, torch.device("cpu"))
-        assert n == 400 and len(texts) >= 2, (seed, texts)
+        assert n == 400 and texts, (seed, texts)
+        split += len(texts) >= 2
         for text in texts[1:]:  # the documents after a BOS start a story
             assert text.startswith(("Once", "One day")), (seed, text[:60])
+    assert split >= 3, split  # most 400-token rows hold two stories (a story is ~200-300 tokens)
 
 
 def test_split_at_bos_keeps_every_token_and_starts_each_document_at_bos():
@@ -212,3 +216,33 @@ def test_the_shipped_teacher_samples_config_trains_without_any_text(tmp_path, gq
     result = train(config)
     assert math.isfinite(result["val_loss"]) and (run_dir / "model" / "config.json").is_file()
     assert (run_dir / "held_out.jsonl").is_file()  # validation on held-out samples, written for uptrain.eval
+
+
+def test_a_stopped_generation_keeps_its_batches_and_the_rerun_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    # uptrain.demo --teacher-samples: a stop (here KeyboardInterrupt, as Ctrl-C raises it) while batch 2 is
+    # being made keeps batches 0-1; the rerun says so, makes the rest, and writes the same text as a run
+    # never stopped. Progress lines come while a batch is made (UPTRAIN_PROGRESS_EVERY=0: every step).
+    import torch
+    from uptrain.data import TeacherSamples
+    from uptrain.train.model.teacher_samples import teacher_text_file
+
+    monkeypatch.setenv("UPTRAIN_PROGRESS_EVERY", "0")
+    ts = TeacherSamples(tokens=1500, max_new_tokens=64, batch=8, seed=5)  # 3 batches of 8 x 64
+    whole = tmp_path / "whole.jsonl"
+    lines: list[str] = []
+    teacher_text_file(MHA8, ts, whole, tmp_path / ".whole-partial", torch.device("cpu"), lines.append)
+    made = [int(m.group(1).replace(",", "")) for m in map(re.compile(r"teacher samples: ([\d,]+) of").match, lines) if m]
+    assert len(made) >= 64 * 2 and made == sorted(made) and made[-1] >= 1500, lines[:3]  # a line per step, rising
+
+    partial, out = tmp_path / ".partial", tmp_path / "samples.jsonl"
+
+    def stop_in_third_batch(line: str) -> None:
+        if len(list((partial / "chunks").glob("chunk-*.json"))) == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), stop_in_third_batch)
+    assert not out.exists() and len(list((partial / "chunks").glob("chunk-*.json"))) == 2
+    again: list[str] = []
+    teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), again.append)
+    assert "2 batches kept from a stopped run" in again[0], again[0]
+    assert out.read_text() == whole.read_text() and not partial.exists()

@@ -24,21 +24,23 @@ class TeacherSamples:
 
     The teacher samples documents until `tokens` new tokens are generated: each from the BOS token,
     or from a prompt (a non-empty line of the `prompts` .txt file, drawn with the seed), up to
-    `max_new_tokens` new tokens or EOS, `batch` sequences at a time with the KV cache.
+    `max_new_tokens` new tokens or EOS, `batch` sequences at a time with a static KV cache
+    (uptrain.train.model.sampling).
     """
 
     tokens: int = 0  # new tokens to generate in all (e.g. a little over the budget, or use repeat_data)
     max_new_tokens: int = 256  # longest document (new tokens)
     temperature: float = 1.0
     top_p: float = 0.95
-    batch: int = 64  # sequences generated together
+    batch: int = 0  # sequences generated together; 0 (auto): as many as a 1 GiB KV cache holds, at most 1024
     seed: int = 0
     prompts: str | None = None  # optional .txt file, one short prompt per line
 
     def validate(self) -> None:
         """Raise UsageError on values that cannot work."""
-        if self.tokens < 1 or self.max_new_tokens < 1 or self.batch < 1:
-            raise UsageError("data.train.teacher_samples: tokens, max_new_tokens and batch must be at least 1")
+        if self.tokens < 1 or self.max_new_tokens < 1 or self.batch < 0:
+            raise UsageError("data.train.teacher_samples: tokens and max_new_tokens must be at least 1, batch at "
+                             "least 0 (0: auto)")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise UsageError("data.train.teacher_samples: temperature must be > 0 and top_p in (0, 1]")
         if self.prompts is not None and not Path(self.prompts).is_file():

@@ -21,14 +21,17 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from uptrain.train.config import TrainConfig
+from uptrain.convert.progress import print_line, progress_every
 from uptrain.data import DataSource, TeacherSamples
+from uptrain.train.config import TrainConfig
+from uptrain.train.model.sampling import sample_continuations, timed_progress
 
 FOLDER = "teacher_samples"
 SAMPLES = "samples.jsonl"
@@ -38,7 +41,8 @@ META = "meta.json"
 def _wanted(config: TrainConfig) -> dict:
     """What identifies the samples: the teacher, every generation setting, the seeding scheme."""
     return {"teacher": str(config.distill.teacher), **dataclasses.asdict(config.data.train.teacher_samples),
-            "seeding": "per batch"}  # batches seeded by their index alone (samples of earlier versions differ)
+            "seeding": "per batch", "sampler": 2}  # batches seeded by their index alone; sampler 2: the static-cache
+    # sampler of uptrain.train.model.sampling (samples of earlier versions differ)
 
 
 def _read_json(path: Path):
@@ -100,30 +104,24 @@ class ChunkStore:
 
 
 def _generate_batch(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
-                    device: torch.device, index: int, prompts: list[str]) -> list[dict]:
-    """Batch `index`: ts.batch sampled rows, each {"texts": its documents, "new_tokens": n}.
+                    index: int, prompts: list[str], batch: int, on_step=None) -> list[dict]:
+    """Batch `index`: `batch` sampled rows, each {"texts": its documents, "new_tokens": n}.
 
     Seeded by (ts.seed, index) alone, prompts drawn included: batch k is the same whether or not
-    the batches before it were generated in this process."""
+    the batches before it were generated in this process (uptrain.train.model.sampling)."""
     eos = tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
     seed = ts.seed * 1_000_003 + index
     if prompts:
         pick = random.Random(seed)
-        rows = [tokenizer(pick.choice(prompts), add_special_tokens=True)["input_ids"] for _ in range(ts.batch)]
+        rows = [tokenizer(pick.choice(prompts), add_special_tokens=True)["input_ids"] for _ in range(batch)]
     else:
-        rows = [[start]] * ts.batch
-    width = max(len(r) for r in rows)  # left padding: every row's last token is its own
-    ids = torch.tensor([[eos] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=ts.temperature,
-                             top_p=ts.top_p, top_k=0, max_new_tokens=new_tokens_cap(model, ts, width),
-                             use_cache=True, pad_token_id=eos, eos_token_id=eos)
+        rows = [[start]] * batch
+    width = max(len(r) for r in rows)
+    news = sample_continuations(model, rows, new_tokens_cap(model, ts, width), eos, eos, ts.temperature, ts.top_p,
+                                seed, on_step)
     made = []
-    for prompt, row in zip(rows, out[:, width:].tolist()):
-        new = row[:row.index(eos) + 1] if eos in row else row  # up to and with the first EOS
+    for prompt, new in zip(rows, news):
         # A BOS inside the sample starts a new document (llama2.c models such as stories260K
         # separate documents by BOS and never emit EOS).
         texts = [tokenizer.decode(segment, skip_special_tokens=True).strip()
@@ -139,20 +137,53 @@ def new_tokens_cap(model: torch.nn.Module, ts: TeacherSamples, prompt_width: int
     return ts.max_new_tokens if not context else max(1, min(ts.max_new_tokens, context - prompt_width))
 
 
+AUTO_BATCH_CAP = 1024  # rows per batch when `batch` is 0 (auto): more gains little once attention dominates
+AUTO_CACHE_BYTES = 1 << 30  # the KV cache an auto batch may fill (1 GiB)
+
+
+def batch_rows(model: torch.nn.Module, ts: TeacherSamples, prompt_width: int = 1) -> int:
+    """Rows per batch: `ts.batch`, or where it is 0 (auto) as many as a KV cache of AUTO_CACHE_BYTES
+    (on a GPU: a quarter of its free memory, if more) holds at the model's width for prompt + max_new_tokens positions, between 1 and AUTO_BATCH_CAP,
+    and no more than `ts.tokens` needs (fixed by the settings alone: batch k's seed gives its rows)."""
+    if ts.batch:
+        return ts.batch
+    from uptrain.convert.io.hfconfig import model_shape
+
+    shape = model_shape(model.config)
+    new = new_tokens_cap(model, ts, prompt_width)
+    per_row = 2 * shape.layers * shape.kv_heads * shape.head_dim * model.dtype.itemsize * (prompt_width + new)
+    budget = AUTO_CACHE_BYTES
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # a GPU decodes faster the more rows share a step: a quarter of its free memory
+        budget = max(budget, torch.cuda.mem_get_info(device)[0] // 4)
+    return max(1, min(AUTO_BATCH_CAP, budget // per_row, -(-ts.tokens // new)))
+
+
 def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples,
-                       device: torch.device, chunks: ChunkStore | None = None) -> tuple[list[str], int]:
+                       device: torch.device, chunks: ChunkStore | None = None,
+                       write: Callable[[str], None] | None = None) -> tuple[list[str], int]:
     """Sample documents from `model` until `ts.tokens` new tokens; return (texts, new tokens).
 
     With `chunks`, batches already written there are read instead of generated, and each new one
-    is written as soon as it is made (a stop signal loses at most the batch in progress)."""
+    is written as soon as it is made (a stop signal loses at most the batch in progress). With
+    `write`, a progress line at most every UPTRAIN_PROGRESS_EVERY (10) s: tokens, rate, time left."""
+    del device  # the model's own device (kept in the signature: callers name it)
     prompts = []
     if ts.prompts:
         prompts = [line.strip() for line in Path(ts.prompts).read_text().splitlines() if line.strip()]
-    texts, n_tokens, index = [], 0, 0
+    first = chunks.read(0) if chunks is not None else None
+    batch = len(first) if first else batch_rows(model, ts)  # a continued run keeps the rows it began with
+    texts, n_tokens, index, made = [], 0, 0, 0
+    report = None
     while n_tokens < ts.tokens:
         rows = chunks.read(index) if chunks is not None else None
         if rows is None:
-            rows = _generate_batch(model, tokenizer, ts, device, index, prompts)
+            if write is not None and report is None:  # the clock starts at the first batch generated here
+                report = timed_progress(write, ts.tokens, progress_every(), done_before=n_tokens)
+            base = made
+            rows = _generate_batch(model, tokenizer, ts, index, prompts, batch,
+                                   None if report is None else (lambda k: report(base + k)))
+            made += sum(row["new_tokens"] for row in rows)
             if chunks is not None:
                 chunks.write(index, rows)
         for row in rows:
@@ -188,7 +219,9 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
             chunks = ChunkStore(partial / "chunks")
             resumed_from = chunks.count()
             t0 = time.time()
-            texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device, chunks)
+            print(f"teacher samples: generating {ts.tokens:,} tokens, {batch_rows(teacher, ts):,} sequences at a time "
+                  f"(batch {'auto' if not ts.batch else ts.batch}) on {accelerator.device}", flush=True)
+            texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device, chunks, print_line)
             seconds = max(time.time() - t0, 1e-9)
             teacher_config = teacher.config.get_text_config()
             tmp = folder.parent / f".tmp-{FOLDER}"
@@ -199,7 +232,7 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
                     f.write(json.dumps({"text": text}) + "\n")
             meta = {"config": wanted, "documents": len(texts), "tokens": n_tokens, "seconds": seconds,
                     "samples_per_s": len(texts) / seconds, "tokens_per_s": n_tokens / seconds,
-                    "device": str(accelerator.device), "batches_reused": resumed_from,
+                    "device": str(accelerator.device), "batches_reused": resumed_from, "rows": batch_rows(teacher, ts),
                     "context": getattr(teacher_config, "max_position_embeddings", None),
                     "capped": new_tokens_cap(teacher, ts, 1) < ts.max_new_tokens}
             del teacher
@@ -212,6 +245,38 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
     how = "reused from" if reused and accelerator.is_main_process else "generated into"
     line = (f"teacher samples: {meta['documents']:,} documents, {meta['tokens']:,} tokens {how} {folder / SAMPLES}; "
             f"generation {meta['samples_per_s']:.1f} samples/s, {meta['tokens_per_s']:,.0f} tokens/s "
-            f"on {meta['device']} (batch {ts.batch}"
+            f"on {meta['device']} ({meta.get('rows', ts.batch)} sequences at a time"
             + (f"; documents capped at the teacher's {meta['context']} positions" if meta.get("capped") else "") + ")")
     return DataSource(files=[str(folder / SAMPLES)]), line
+
+
+def teacher_text_file(teacher_dir: Path, ts: TeacherSamples, out_file: Path, partial: Path, device: torch.device,
+                      write: Callable[[str], None] = print_line) -> dict:
+    """The teacher's own text without a training run (`uptrain.demo --teacher-samples N`): sample
+    `ts.tokens` tokens from the model in `teacher_dir` into `out_file` (.jsonl, one {"text": ...} per
+    document), written whole (a temporary file renamed into place). Batches are kept in `partial` as
+    they are made (removed at the end): a stopped run's rerun continues there. Returns what was made
+    (documents, tokens, seconds, tokens_per_s, rows)."""
+    from transformers import AutoTokenizer
+
+    wanted = {"teacher": str(teacher_dir), **dataclasses.asdict(ts), "seeding": "per batch", "sampler": 2}
+    if _read_json(partial / META) != wanted:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        (partial / META).write_text(json.dumps(wanted))
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    chunks = ChunkStore(partial / "chunks")
+    kept, rows = chunks.count(), batch_rows(teacher, ts)
+    write(f"teacher samples: generating {ts.tokens:,} tokens, {rows:,} sequences at a time on {device}"
+          + (f"; {kept} batches kept from a stopped run ({partial})" if kept else ""))
+    t0 = time.time()
+    texts, n_tokens = generate_documents(teacher, tokenizer, ts, device, chunks, write)
+    seconds = max(time.time() - t0, 1e-9)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".tmp-{out_file.name}")
+    tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    os.replace(tmp, out_file)
+    shutil.rmtree(partial, ignore_errors=True)
+    return {"documents": len(texts), "tokens": n_tokens, "seconds": seconds, "tokens_per_s": n_tokens / seconds,
+            "rows": rows, "batches_reused": kept}
