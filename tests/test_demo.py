@@ -192,3 +192,59 @@ def test_the_demo_converts_as_uptrain_convert_with_the_same_options(tmp_path, ca
     ours, plain = (load_file(next(f.glob("*.safetensors"))) for f in (tmp_path / "demo" / "stories260K-gqa2",
                                                                        tmp_path / "plain"))
     assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)
+
+
+def _outside_model(tmp_path):
+    """A model not in this repository: a Mistral (8 query heads over 4 K/V heads) made from the stories260K
+    weights with 3% noise on every matrix, with the stories tokenizer: another family and other weights,
+    which still writes (and models) stories of its own."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    llama = AutoModelForCausalLM.from_pretrained(built_gqa4(), dtype=torch.float32)
+    c = llama.config
+    cfg = MistralConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                        head_dim=c.head_dim, sliding_window=None, rope_parameters=dict(c.rope_parameters))
+    model = AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        weights = llama.state_dict()
+        for name, p in model.named_parameters():
+            w = weights[name]
+            p.copy_(w + 0.03 * w.std() * torch.randn(w.shape, generator=gen) if w.dim() == 2 else w)
+    folder = tmp_path / "outside-mistral"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EXAMPLE_MHA8 / name, folder / name)
+    return folder
+
+
+def test_teacher_samples_run_the_demo_end_to_end_with_no_training_text(tmp_path, capsys):
+    model = _outside_model(tmp_path)
+    out = tmp_path / "demo"
+    assert main(["--model", str(model), "--teacher-samples", "6000", "--out", str(out), "--calib-tokens", "2048",
+                 "--refine-steps", "20", "budget.tokens=8192", "optim.warmup_steps=2", "log.progress_bar=false"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"teacher samples: generating 6,000 tokens, \d+ sequences at a time", printed), printed
+    samples = [json.loads(line)["text"] for line in (out / "data" / "samples.jsonl").read_text().splitlines()]
+    train = [json.loads(line)["text"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
+    valid = [json.loads(line)["text"] for line in (out / "data" / "valid.jsonl").read_text().splitlines()]
+    assert train + valid == samples and len(valid) == round(len(samples) / 10)  # the last tenth held out, whole
+    rows = dict(re.findall(r"\| (GQA source \(4 K/V heads\)|GQA-1, converted|GQA-1, uptrained)[^|]*\| ([0-9.]+)",
+                           printed))
+    assert len(rows) == 3, printed  # a quarter of 4 K/V heads: 1
+    kl = dict(re.findall(r"\| (GQA-1, converted|GQA-1, uptrained)[^|]*\|[^|]+\|[^|]+\| ([0-9.]+)", printed))
+    assert float(kl["GQA-1, uptrained"]) < float(kl["GQA-1, converted"])  # distilled on the source's own text
+    assert f"calibrated on 2,048 tokens of train.jsonl" in printed
+    assert not (tmp_path / ".demo.teacher-samples").exists()  # the kept batches are gone once the text is whole
+
+
+def test_teacher_samples_and_data_together_are_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--teacher-samples", "100", "--data", str(TRAIN_TXT), "--out", str(tmp_path / "demo")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--teacher-samples" in err[0] and "not both" in err[0], err
+    assert not (tmp_path / "demo").exists()

@@ -137,6 +137,10 @@ def _parser() -> ArgParser:
                    "stories260K-mha8)")
     p.add_argument("--data", type=Path, help="your own text (.txt, .jsonl, .json, .parquet): trained on, its last "
                    "tenth of documents held out for the table (default: the shipped TinyStories samples)")
+    p.add_argument("--teacher-samples", type=positive_int, default=None, metavar="N",
+                   help="no training text of yours: the source model writes N tokens of training text (also the "
+                        "calibration text), sampled at temperature 1, top-p 0.95; without --valid its last tenth of "
+                        "documents is held out for the table (the bundled model: the shipped held-out stories)")
     p.add_argument("--kv-heads", type=positive_int, default=None,
                    help="K/V heads after conversion (default: a quarter of the model's: 2 of the embedded 8)")
     p.add_argument("--method", choices=METHODS, default="fit",
@@ -183,13 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     max_length, stride = model_windows([str(source)])  # uptrain.eval's rule: within the model's context
     # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
     train_text, valid_path = TRAIN, args.valid or VALID
+    if args.data is not None and args.teacher_samples:
+        raise UsageError("give --data (your text) or --teacher-samples N (the source writes the text), not both")
     own_texts = split_documents_of(args.data) if args.data is not None else None
     prepare_out(args.out)
-    if own_texts is not None:
+    announce_threads()
+    if args.teacher_samples:
+        own_texts = samples_step(args, source)
+    if args.teacher_samples and (args.valid or args.model is None):  # held-out text from elsewhere: train on all
+        train_text = args.out / "data" / "samples.jsonl"
+    elif own_texts is not None:
         train_text, held_out = write_split(own_texts, args.out)
         valid_path = args.valid or held_out
     valid = read_documents(DataSource(files=[str(valid_path)]), args.stories)
-    announce_threads()
     if args.model is None and not args.skip_uptrain and not args.overrides:
         print("expected: about 1-2 minutes after set-up on an idle 2-core machine (README), 2-4x that on a busy one",
               flush=True)
@@ -240,6 +250,28 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
             grouping=args.grouping, refine=refine)
     interrupt.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
     return converted, args.method + (" + refine" if refine else "")
+
+
+def samples_step(args, source: Path) -> list[str]:
+    """The source's own text (--teacher-samples N): N tokens sampled into OUT/data/samples.jsonl, with a
+    progress line every ~10 s; a stopped run's batches are kept beside --out (`.OUT.teacher-samples`)
+    and the same command continues from them. Returns the documents."""
+    from uptrain.convert.progress import print_line
+    from uptrain.data import TeacherSamples
+    from uptrain.train.model.teacher_samples import teacher_text_file
+
+    out_file = args.out / "data" / "samples.jsonl"
+    partial = args.out.parent / f".{args.out.name}.teacher-samples"
+    print(f"== the source writes {args.teacher_samples:,} tokens of training text into {out_file}", flush=True)
+    made = teacher_text_file(source, TeacherSamples(tokens=args.teacher_samples), out_file, partial,
+                             torch.device("cpu"), print_line)
+    print(f"   {made['documents']:,} documents, {made['tokens']:,} tokens in {made['seconds']:.0f} s "
+          f"({made['tokens_per_s']:,.0f} tokens/s)", flush=True)
+    texts = read_documents(DataSource(files=[str(out_file)]))
+    if len(texts) < 2 and not args.valid and args.model is not None:
+        raise UsageError(f"--teacher-samples {args.teacher_samples:,} made {len(texts)} document; the demo holds out "
+                         "the last tenth for scoring: ask for more tokens or give --valid FILE")
+    return texts
 
 
 def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int) -> Path:
