@@ -143,8 +143,9 @@ AUTO_CACHE_BYTES = 1 << 30  # the KV cache an auto batch may fill (1 GiB)
 
 def batch_rows(model: torch.nn.Module, ts: TeacherSamples, prompt_width: int = 1) -> int:
     """Rows per batch: `ts.batch`, or where it is 0 (auto) as many as a KV cache of AUTO_CACHE_BYTES
-    (on a GPU: a quarter of its free memory, if more) holds at the model's width for prompt + max_new_tokens positions, between 1 and AUTO_BATCH_CAP,
-    and no more than `ts.tokens` needs (fixed by the settings alone: batch k's seed gives its rows)."""
+    (on a GPU: a quarter of its free memory, if more) holds at the model's width for prompt +
+    max_new_tokens positions, between 1 and AUTO_BATCH_CAP, and no more than `ts.tokens` needs. (A
+    continued generation takes the rows of its first kept batch instead: `generate_documents`.)"""
     if ts.batch:
         return ts.batch
     from uptrain.convert.io.hfconfig import model_shape
