@@ -136,6 +136,22 @@ except KeyboardInterrupt:
 """
 
 
+def _python_sigint() -> None:
+    """In the child before its exec: SIGINT at its default and unblocked, whatever this test process
+    (a pytest worker that ran other tests in-process) has, so Python installs its KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_state(pid: int) -> str:
+    """The process's blocked / ignored / caught signal masks (/proc), for a failure's message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as err:
+        return str(err)
+    return "; ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def test_the_python_api_stops_a_refinement_at_its_next_step_on_ctrl_c(tmp_path):
     """`convert()` in a process with Python's own SIGINT handling (the demo's case): the
     KeyboardInterrupt reaches the main thread, which waits for the worker; the worker stops at its
@@ -143,14 +159,22 @@ def test_the_python_api_stops_a_refinement_at_its_next_step_on_ctrl_c(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "UPTRAIN_TEST_PAUSE_AT": "refine:0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", API_SCRIPT, str(EXAMPLE_MHA8), str(TRAIN_TXT), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            preexec_fn=_python_sigint)
     for line in proc.stderr:
         if line.strip() == "paused at refine":
             break
     time.sleep(1.0)
+    signals = _signal_state(proc.pid)
     signalled = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        mine = (signal.getsignal(signal.SIGINT), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        raise AssertionError(f"no stop 60 s after SIGINT; the child's signal state then: {signals}; this "
+                             f"process's SIGINT handler and blocked signals: {mine}") from None
     assert stdout.startswith("stopped"), stdout + stderr
     _, at, listing = stdout.split(" ", 2)
     waited = float(at) - signalled  # 0.01 s measured; without the step's check the layer ran on 4.3 s
