@@ -218,10 +218,13 @@ def test_the_shipped_teacher_samples_config_trains_without_any_text(tmp_path, gq
     assert (run_dir / "held_out.jsonl").is_file()  # validation on held-out samples, written for uptrain.eval
 
 
-def test_a_stopped_generation_keeps_its_batches_and_the_rerun_equals_an_uninterrupted_one(tmp_path, monkeypatch):
-    # uptrain.demo --teacher-samples: a stop (here KeyboardInterrupt, as Ctrl-C raises it) while batch 2 is
-    # being made keeps batches 0-1; the rerun says so, makes the rest, and writes the same text as a run
-    # never stopped. Progress lines come while a batch is made (UPTRAIN_PROGRESS_EVERY=0: every step).
+@pytest.mark.parametrize("kept", [0, 1, 2])
+def test_a_stopped_generation_keeps_its_batches_and_the_rerun_equals_an_uninterrupted_one(tmp_path, monkeypatch,
+                                                                                           kept):
+    # uptrain.demo --teacher-samples: a stop (here KeyboardInterrupt, as Ctrl-C raises it) inside the first,
+    # a middle or the last of 3 batches keeps the batches before it; the rerun says so, makes the rest, and
+    # writes the same text as a run never stopped. Progress lines come while a batch is made
+    # (UPTRAIN_PROGRESS_EVERY=0: every step).
     import torch
     from uptrain.data import TeacherSamples
     from uptrain.train.model.teacher_samples import teacher_text_file
@@ -236,13 +239,14 @@ def test_a_stopped_generation_keeps_its_batches_and_the_rerun_equals_an_uninterr
 
     partial, out = tmp_path / ".partial", tmp_path / "samples.jsonl"
 
-    def stop_in_third_batch(line: str) -> None:
-        if len(list((partial / "chunks").glob("chunk-*.json"))) == 2:
+    def stop_in_batch(line: str) -> None:  # (a progress line: generation is inside batch number `kept`)
+        if line.startswith("teacher samples: ") and " of " in line and \
+                len(list((partial / "chunks").glob("chunk-*.json"))) == kept:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), stop_in_third_batch)
-    assert not out.exists() and len(list((partial / "chunks").glob("chunk-*.json"))) == 2
+        teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), stop_in_batch)
+    assert not out.exists() and len(list((partial / "chunks").glob("chunk-*.json"))) == kept
     again: list[str] = []
     teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), again.append)
-    assert "2 batches kept from a stopped run" in again[0], again[0]
+    assert (f"{kept} batches kept from a stopped run" in again[0]) == (kept > 0), again[0]
     assert out.read_text() == whole.read_text() and not partial.exists()

@@ -38,11 +38,26 @@ SAMPLES = "samples.jsonl"
 META = "meta.json"
 
 
+def _identity(teacher: object, ts: TeacherSamples) -> dict:
+    """What identifies a set of samples: the teacher, every generation setting, the seeding scheme."""
+    return {"teacher": str(teacher), **dataclasses.asdict(ts), "seeding": "per batch", "sampler": 2}
+    # batches seeded by their index alone; sampler 2: the static-cache sampler of uptrain.train.model.sampling
+    # (samples of earlier versions differ)
+
+
 def _wanted(config: TrainConfig) -> dict:
-    """What identifies the samples: the teacher, every generation setting, the seeding scheme."""
-    return {"teacher": str(config.distill.teacher), **dataclasses.asdict(config.data.train.teacher_samples),
-            "seeding": "per batch", "sampler": 2}  # batches seeded by their index alone; sampler 2: the static-cache
-    # sampler of uptrain.train.model.sampling (samples of earlier versions differ)
+    """The identity of a run's samples (`_identity` of distill.teacher and data.train.teacher_samples)."""
+    return _identity(config.distill.teacher, config.data.train.teacher_samples)
+
+
+def _open_partial(partial: Path, wanted: dict) -> ChunkStore:
+    """The chunks kept in `partial` by a stopped generation of these settings (`wanted`); a folder of
+    other settings is cleared first."""
+    if _read_json(partial / META) != wanted:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        (partial / META).write_text(json.dumps(wanted))
+    return ChunkStore(partial / "chunks")
 
 
 def _read_json(path: Path):
@@ -213,11 +228,7 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
             teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).to(accelerator.device)
             teacher.eval()
             partial = folder.parent / f".partial-{FOLDER}"  # the chunks so far, of these settings only
-            if _read_json(partial / META) != wanted:
-                shutil.rmtree(partial, ignore_errors=True)
-                partial.mkdir(parents=True)
-                (partial / META).write_text(json.dumps(wanted))
-            chunks = ChunkStore(partial / "chunks")
+            chunks = _open_partial(partial, wanted)
             resumed_from = chunks.count()
             t0 = time.time()
             print(f"teacher samples: generating {ts.tokens:,} tokens, {batch_rows(teacher, ts):,} sequences at a time "
@@ -260,14 +271,9 @@ def teacher_text_file(teacher_dir: Path, ts: TeacherSamples, out_file: Path, par
     (documents, tokens, seconds, tokens_per_s, rows)."""
     from transformers import AutoTokenizer
 
-    wanted = {"teacher": str(teacher_dir), **dataclasses.asdict(ts), "seeding": "per batch", "sampler": 2}
-    if _read_json(partial / META) != wanted:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        (partial / META).write_text(json.dumps(wanted))
+    chunks = _open_partial(partial, _identity(teacher_dir, ts))
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    chunks = ChunkStore(partial / "chunks")
     kept, rows = chunks.count(), batch_rows(teacher, ts)
     write(f"teacher samples: generating {ts.tokens:,} tokens, {rows:,} sequences at a time on {device}"
           + (f"; {kept} batches kept from a stopped run ({partial})" if kept else ""))
