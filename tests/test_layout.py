@@ -196,3 +196,49 @@ def test_the_trainer_top_is_small_and_the_layout_page_names_every_trainer_module
     row = next(line for line in page.splitlines() if line.startswith("| `uptrain/train/` |"))
     present = {p.stem for p in (PACKAGE / "train").rglob("*.py") if p.stem != "__init__"}
     assert present <= set(re.findall(r"`(\w+)\.py`", row)), sorted(present - set(re.findall(r"`(\w+)\.py`", row)))
+
+
+# The package's top and scripts/ (docs/layout.md): entry points and a few shared utilities at the
+# top, every job with rooms of its own in a folder; stop signals handled in one room.
+TOP_LIMIT, SCRIPTS_LIMIT = 10, 12
+STOP_ROOMS = ("uptrain.stopping.", "uptrain.train.stop.")  # the behaviours, and the trainer's use of one
+
+
+def top_modules() -> list[str]:
+    return sorted(p.stem for p in PACKAGE.glob("*.py"))
+
+
+def sets_a_handler(tree: ast.AST) -> bool:
+    """Whether the code calls `signal.signal(...)` anywhere."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "signal"
+               and isinstance(n.func.value, ast.Name) and n.func.value.id == "signal" for n in ast.walk(tree))
+
+
+def signal_installers() -> list[str]:
+    """The package's modules that set a signal handler."""
+    return sorted(name for name, path in MODULES.items() if sets_a_handler(ast.parse(path.read_text())))
+
+
+def test_the_top_holds_entry_points_and_a_few_utilities():
+    top = top_modules()
+    assert len(top) <= TOP_LIMIT, top
+    assert not [m for m in top if m.startswith("sweep")], top  # the sweep is a room: uptrain/sweep/
+    scripts = sorted(p.name for p in (REPO / "scripts").iterdir() if p.name != "__pycache__")
+    assert len(scripts) <= SCRIPTS_LIMIT, scripts
+
+
+def test_stop_signals_are_handled_in_the_stop_rooms_only():
+    installers = signal_installers()
+    assert installers and all(m.startswith(STOP_ROOMS) for m in installers), installers
+    # and the check sees a handler set anywhere, not a handler read
+    assert sets_a_handler(ast.parse("def f():\n    import signal\n    signal.signal(2, print)"))
+    assert not sets_a_handler(ast.parse("import signal\nsignal.getsignal(2)"))
+
+
+def test_the_layout_page_names_every_module_of_the_sweep_and_stop_rooms():
+    page = (REPO / "docs" / "layout.md").read_text()
+    for folder in ("sweep", "stopping"):
+        row = next(line for line in page.splitlines() if line.startswith(f"| `uptrain/{folder}/` |"))
+        present = {p.stem for p in (PACKAGE / folder).glob("*.py")} - {"__main__", "__init__"}
+        named = set(re.findall(r"`(\w+)\.py`", row))
+        assert present <= named, (folder, sorted(present - named))

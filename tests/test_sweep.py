@@ -18,7 +18,7 @@ from uptrain.convert import convert
 from uptrain.errors import UsageError
 from uptrain.measure.eval import main as eval_main
 from uptrain.measure.plots import plot_sweep
-from uptrain.sweep import Point, main, recommend, sweep_counts
+from uptrain.sweep.run import Point, main, recommend, sweep_counts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ARGS = ["--data", str(VALID_TXT), "--stories", "4", "--threads", "1"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, perturbed_copy
 from uptrain.convert.__main__ import main as convert_main
-from uptrain.sweep import main as sweep_main
+from uptrain.sweep.run import main as sweep_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CALIB = ["--calib", str(TRAIN_TXT), "--calib-tokens", "512"]

@@ -1,4 +1,4 @@
-"""A sweep keeps only what is provably the same (`uptrain.sweep_record`): content fingerprints,
+"""A sweep keeps only what is provably the same (`uptrain.sweep.record`): content fingerprints,
 not paths; only folders it wrote; the KV figures of this run's --batch."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from conftest import EXAMPLE_MHA8, VALID_TXT, perturbed_copy
-from uptrain.sweep import main
-from uptrain.sweep_record import MARK, folder_fingerprint
+from uptrain.sweep.run import main
+from uptrain.sweep.record import MARK, folder_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ARGS = ["--data", str(VALID_TXT), "--stories", "2", "--threads", "1", "--kv-heads", "4"]

@@ -24,9 +24,9 @@ from __future__ import annotations
 AS_IT_WAS = ("the folder being written was removed; --out keeps the steps finished before (the next demo into "
              "it replaces it whole)")
 if __name__ == "__main__":  # first act: Ctrl-C / SIGTERM during the imports below end the demo cleanly too
-    from uptrain import interrupt
+    from uptrain.stopping import at_once
 
-    interrupt.install("uptrain.demo", AS_IT_WAS)
+    at_once.install("uptrain.demo", AS_IT_WAS)
 
 import json
 import sys
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert import convert
 from uptrain.convert.registry.choices import GROUPINGS, METHODS
@@ -171,10 +171,10 @@ def _parser() -> ArgParser:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    """The demo (`argv` None: this process's arguments, with the stop handling of `uptrain.interrupt`:
+    """The demo (`argv` None: this process's arguments, with the stop handling of `uptrain.stopping.at_once`:
     a stop at any point ends it with one line and exit 130 / 143; a list: as a function, for tests)."""
     if argv is None:
-        interrupt.install("uptrain.demo", AS_IT_WAS)  # (again for the console script: no-op under -m)
+        at_once.install("uptrain.demo", AS_IT_WAS)  # (again for the console script: no-op under -m)
     args = _parser().parse_args(argv)
     threads = start_threads(args.threads).threads
     bundled = EXAMPLES / "stories260K-mha8"
@@ -248,7 +248,7 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
     print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})", flush=True)
     convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
             grouping=args.grouping, refine=refine)
-    interrupt.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
+    at_once.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
     return converted, args.method + (" + refine" if refine else "")
 
 
@@ -293,7 +293,7 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     try:
         train(config)
     except BaseException as err:  # train() handles stop signals itself while it runs: its stop ends the demo
-        interrupt.end_after_training_stop(err)
+        at_once.end_after_training_stop(err)
         raise
     return run_dir / "model"
 

@@ -2,7 +2,7 @@
 the output folder as it was, nothing left beside it, the source untouched, never a crash.
 
 Real processes, real signals: the CLI pauses at a named phase (UPTRAIN_TEST_PAUSE_AT, see
-`uptrain.interrupt`) and says so on stderr; the test then signals it after a delay. The
+`uptrain.stopping.at_once`) and says so on stderr; the test then signals it after a delay. The
 cases cover every phase with each kind of interrupt (first Ctrl-C, a double Ctrl-C, SIGTERM), the
 delays varied, on the bundled 5-layer stories260K (calibration and refinement kept tiny).
 """
@@ -155,7 +155,7 @@ def _signal_state(pid: int) -> str:
 def test_the_python_api_stops_a_refinement_at_its_next_step_on_ctrl_c(tmp_path):
     """`convert()` in a process with Python's own SIGINT handling (the demo's case): the
     KeyboardInterrupt reaches the main thread, which waits for the worker; the worker stops at its
-    next refinement step (`interrupt.CANCEL`), so the wait is short, and the folder is removed."""
+    next refinement step (`at_once.CANCEL`), so the wait is short, and the folder is removed."""
     out = tmp_path / "out"
     env = {**os.environ, "UPTRAIN_TEST_PAUSE_AT": "refine:0", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", API_SCRIPT, str(EXAMPLE_MHA8), str(TRAIN_TXT), str(out)],

@@ -3,7 +3,7 @@ its output equals an uninterrupted conversion's, tensor for tensor, wherever the
 
 Real processes and real signals: `python -m uptrain.convert` on the bundled 5-layer stories260K
 with `--method fit --refine`, paused right after layer k was kept (UPTRAIN_TEST_PAUSE_AT=kept-k,
-`uptrain.interrupt.pause`) and stopped by SIGTERM after a delay (0 s: between layers; 0.25 s:
+`uptrain.stopping.at_once.pause`) and stopped by SIGTERM after a delay (0 s: between layers; 0.25 s:
 inside the next layer's refinement), once or twice, then rerun to the end with the same arguments.
 `io/kept_layers.py` is the unit under test; `KeptLayers` and `conversion_key` are also tested alone.
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from train_helpers import DEMO, REPO, need_models, tiny_overrides
-from uptrain.train.stop.preempt import EXIT_PREEMPTED
+from uptrain.stopping.codes import EXIT_PREEMPTED
 from uptrain.train.state.run_state import PREEMPTED_FILE
 
 STEPS = 2000  # ~0.1 s a step: a stop lands long before the end, also when this run starts faster than the

@@ -19,7 +19,7 @@ from train_helpers import DEMO, train_in_process, REPO, need_models, tiny_overri
 from test_train_multiproc import _free_port
 from uptrain.train.__main__ import main
 from uptrain.train.state.run_state import PREEMPTED_FILE
-from uptrain.train.stop.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from uptrain.stopping.codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from uptrain.train.state.run_state import FINISHED_FILE, complete_checkpoints
 
 STEPS = 12  # a signal sent at step k <= 5 lands well before the end, however slow the machine
@@ -174,7 +174,8 @@ def test_sigusr1_on_one_of_two_processes_stops_both_at_the_same_step_and_resumes
 def test_one_ctrl_c_delivered_twice_is_one_press_and_a_later_second_press_stops_at_once():
     # A terminal sends Ctrl-C to the launcher and its workers, and the launcher forwards it again:
     # SIGINTs within SAME_PRESS_S are one press (checkpoint and stop); one later stops at once.
-    from uptrain.train.stop.preempt import SAME_PRESS_S, StopRequest
+    from uptrain.stopping.codes import SAME_PRESS_S
+    from uptrain.train.stop.preempt import StopRequest
 
     before = signal.getsignal(signal.SIGTERM)
     with StopRequest().installed() as stop:

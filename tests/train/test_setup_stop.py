@@ -17,7 +17,7 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, MHA8, REPO, need_models, tiny_overrides
 from uptrain.train.__main__ import main
 from uptrain.train.state.run_state import PREEMPTED_FILE, complete_checkpoints
-from uptrain.train.stop.preempt import EXIT_PREEMPTED
+from uptrain.stopping.codes import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

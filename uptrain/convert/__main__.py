@@ -10,7 +10,7 @@ copy needs is standard library; the plan must then confirm every tensor copied, 
 discarded and the plan written as usual. For the same reason what needs no model is refused
 before those imports (`early`).
 
-Ctrl-C and SIGTERM (`interrupt`), first or second, at any point, end the run at once with one
+Ctrl-C and SIGTERM (`at_once`), first or second, at any point, end the run at once with one
 line, exit 130 (SIGINT) or 143 (SIGTERM, 128 + 15 as a shell reports it), the output folder as
 it was and no temporary folder beside it (only while the finished folder is put in place is the
 signal reported after it, the new folder complete). Converting to
@@ -21,9 +21,9 @@ the checkpoint's own K/V head count is refused (exit 2): nothing would change, -
 from __future__ import annotations
 
 if __name__ == "__main__":  # first act: a signal during the imports below ends the run cleanly too
-    from uptrain import interrupt
+    from uptrain.stopping import at_once
 
-    interrupt.install()
+    at_once.install()
 
 import argparse
 import errno
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from uptrain.cli import ArgParser, positive_int, prog_name
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.io.early import check_before_imports
 from uptrain.convert.options import add_conversion_args, conversion_options
 from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside, kept_by_pooling
@@ -100,7 +100,7 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
         writer = ShardWriter(tmp, kept, max_shard, stem="kept")
 
         def job(cancel: threading.Event) -> Any:
-            interrupt.pause("import")
+            at_once.pause("import")
             with phases("import"):
                 from uptrain.convert import pipeline
                 from uptrain.convert.plan import format_plan
@@ -139,9 +139,9 @@ def report_internal_errors(main: Callable[[list[str] | None], int]) -> Callable[
             return main(argv)
         except UsageError:
             raise
-        except KeyboardInterrupt:  # as a function (the CLI's own signals end it in `interrupt`)
-            print(interrupt.message(), file=sys.stderr, flush=True)
-            return interrupt.exit_code()
+        except KeyboardInterrupt:  # as a function (the CLI's own signals end it in `at_once`)
+            print(at_once.message(), file=sys.stderr, flush=True)
+            return at_once.exit_code()
         except Exception as err:  # noqa: BLE001 - the last stop before a traceback
             if os.environ.get("UPTRAIN_DEBUG") or "--verbose" in (sys.argv[1:] if argv is None else argv):
                 traceback.print_exc()
@@ -159,12 +159,12 @@ def report_internal_errors(main: Callable[[list[str] | None], int]) -> Callable[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command (`argv` None: this process's arguments, with the signal handling of `interrupt`
+    """The command (`argv` None: this process's arguments, with the signal handling of `at_once`
     and its exit; a list: as a function, for tests, the process's handlers left alone)."""
     if argv is not None:
         return _main(argv)
-    interrupt.install()
-    interrupt.finish(_main(None))
+    at_once.install()
+    at_once.finish(_main(None))
     return 0  # not reached
 
 
@@ -201,9 +201,9 @@ def _main(argv: list[str] | None = None) -> int:
               + f" held-out error per layer ({sum(x['steps_run'] for x in done)} steps, "
                 f"{sum(x['seconds'] for x in done):.1f} s)")
     print(f"wrote {args.out}")
-    if interrupt.pending():  # it came while the folder was put in place: the point of no return
-        print(interrupt.message(), file=sys.stderr, flush=True)
-        return interrupt.exit_code()
+    if at_once.pending():  # it came while the folder was put in place: the point of no return
+        print(at_once.message(), file=sys.stderr, flush=True)
+        return at_once.exit_code()
     if args.verbose:
         from uptrain.convert.plan import format_timing
 
@@ -213,7 +213,7 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases) -> Any:
     """Plan (imports first), print the plan, then write both streams; None for a dry run."""
-    interrupt.pause("import")
+    at_once.pause("import")
     with phases("import"):
         from uptrain.convert.pipeline import prepare, write_converted
         from uptrain.convert.plan import format_plan

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.layers.calibrate import Calibration
 from uptrain.convert.layers.layerwise import describe_layerwise, fit_refusal, layerwise_settings
 from uptrain.convert.layers.refine_layer import LayerRefiner, RefineSettings, check_refine
@@ -89,7 +89,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     a rerun of an interrupted conversion (`io/kept_layers.py`; the plan says what a rerun finds).
     """
     start = time.perf_counter()
-    interrupt.pause("plan")
+    at_once.pause("plan")
     source, family, header_note = _open_source(checkpoint, revision, headers_only)
     cfg = load_hf_config(source.config)
     dims = attention_dims(cfg, family)
@@ -240,8 +240,8 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
             for output in built:
                 if cancel.is_set():
                     return writer
-                interrupt.pause("write")
-                interrupt.check()
+                at_once.pause("write")
+                at_once.check()
                 if copied_as_bytes(output):
                     info = output.sources[0]
                     with phases("write built"), open(info.file, "rb") as f:
@@ -332,10 +332,10 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
     phases = phases or Phases()
     planned = Planned(source, plan, outputs, new_config)
     kept = KeptLayers(plan.kept_layers["folder"]) if plan.kept_layers else None
-    interrupt.leaving(kept.describe if kept is not None else None)  # a stop says what a rerun continues from
+    at_once.leaving(kept.describe if kept is not None else None)  # a stop says what a rerun continues from
     with atomic_output_dir(out) as tmp:
         finish_folder(tmp, planned, write_tensors(tmp, planned, max_shard_bytes, phases), phases)
-    interrupt.leaving(None)
+    at_once.leaving(None)
     if kept is not None:  # the output is in place: its layers need not be kept any longer
         kept.remove()
 

@@ -1,6 +1,6 @@
 """llama.cpp as a runtime: find it, convert a Hugging Face folder to GGUF, load it, read its KV cache.
 
-Used by `uptrain.bench --runtime llama.cpp` and scripts/deploy_check.py. llama-cpp-python is an
+Used by `uptrain.bench --runtime llama.cpp` and scripts/deploy/deploy_check.py. llama-cpp-python is an
 optional dependency (it builds llama.cpp from source, minutes): without it every entry point
 refuses in one line that says how to install it. The converter is llama.cpp's own
 `convert_hf_to_gguf.py`, run as a separate process with this Python (it needs `sentencepiece` for

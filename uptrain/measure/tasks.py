@@ -3,7 +3,7 @@
 `uptrain.eval --tasks NAMES` and `uptrain.compare --tasks NAMES` call `run_tasks` on every model:
 lm-eval's `simple_evaluate` on an `HFLM` wrapped around the model object already loaded, with
 the bundled offline tasks (`task_data/`: stories_ppl, stories_cloze, stories_ending, stories_name,
-built by `scripts/make_tasks.py` from the held-out TinyStories sample), any `--tasks-path` folder
+built by `scripts/tools/make_tasks.py` from the held-out TinyStories sample), any `--tasks-path` folder
 of task YAML, and (network permitting) every task lm-eval knows.
 
 Generating tasks (`output_type: generate_until`, e.g. stories_name, scored by exact match) run on

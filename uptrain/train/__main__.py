@@ -17,7 +17,7 @@ import sys
 # First act of `python -m uptrain.train` and of the `uptrain-train` command (which imports this
 # module, then calls main), before the imports below (seconds: torch & co.): a stop meanwhile is kept.
 if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "uptrain-train":
-    from uptrain import stopsignals as _early
+    from uptrain.stopping import safe_point as _early
 
     _early.install("imports")
 
@@ -27,14 +27,13 @@ import shlex
 import typing
 from pathlib import Path
 
-from uptrain import stopsignals
 from uptrain.cli import ArgParser, prog_name
 from uptrain.errors import exit_on_usage_error
+from uptrain.stopping import safe_point
+from uptrain.stopping.codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from uptrain.train.config import TrainConfig, load_config
 from uptrain.train.state.run_files import PREEMPTED_FILE, complete_checkpoints
 
-EXIT_PREEMPTED = 75  # = preempt.EXIT_PREEMPTED (that module imports torch: not yet loaded when a stop comes)
-EXIT_INTERRUPTED = 130  # = preempt.EXIT_INTERRUPTED
 KEYS_DOC = "docs/uptrain.md (## Config keys)"  # where --help sends the user for every config key
 
 
@@ -59,11 +58,11 @@ def _run(config: TrainConfig, resume: str) -> int:
     try:
         # From here a stop can be acted on (run_dir is known): one that came during the imports
         # stops now, later ones at once, until the trainer's own handling takes over in train().
-        stopsignals.raise_now()
+        safe_point.raise_now()
         from uptrain.train.loop import train  # torch & co.: seconds
 
         train(config)
-    except stopsignals.Stopped as stop:  # before the first step (StoppedInSetup): nothing new to checkpoint
+    except safe_point.Stopped as stop:  # before the first step (StoppedInSetup): nothing new to checkpoint
         done = complete_checkpoints(Path(config.run_dir))
         kept = f"last complete checkpoint {done[-1]} kept" if done else "no checkpoint yet"
         _say(f"stopped by {stop.signal_name} during set-up ({stop.phase}), before the first step: {kept}; "
@@ -79,7 +78,7 @@ def _run(config: TrainConfig, resume: str) -> int:
     except Exception as err:
         return _after_training(err, config, resume)
     finally:
-        stopsignals.ignore()  # (the `uptrain-train` / `python -m` process only) its exit code is decided
+        safe_point.ignore()  # (the `uptrain-train` / `python -m` process only) its exit code is decided
     return 0
 
 

@@ -29,7 +29,8 @@ from uptrain.train.config import TrainConfig
 from uptrain.train.report.eta import EtaTracker, format_eta
 from uptrain.train.stop.health import StepHealth, check_finite
 from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
-from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left, signal_name
+from uptrain.stopping.codes import signal_name
+from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left
 from uptrain.train.state.run_state import complete_checkpoints, save_checkpoint
 from uptrain.train.setup import lr_at
 from uptrain.train.model.trainable import set_trainable, trainable_at

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.errors import UsageError
 
 
@@ -178,19 +178,19 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = _sibling(out, "partial", tag)
     tmp.mkdir()
-    interrupt.register(tmp)
+    at_once.register(tmp)
     try:
         yield tmp
         sync_tree(tmp)
-        interrupt.pause("rename")
+        at_once.pause("rename")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        interrupt.unregister(tmp)
+        at_once.unregister(tmp)
         raise
-    with interrupt.shielded():  # the point of no return: a signal now is reported after it (`interrupt`)
+    with at_once.shielded():  # the point of no return: a signal now is reported after it (`at_once`)
         _put_in_place(out, tmp, tag)
-        interrupt.unregister(tmp)
-        interrupt.written(out)
+        at_once.unregister(tmp)
+        at_once.written(out)
 
 
 def _put_in_place(out: Path, tmp: Path, tag: str) -> None:
@@ -237,17 +237,17 @@ def atomic_output_dirs(outs: list[Path], replace: bool = False) -> Iterator[list
             out.parent.mkdir(parents=True, exist_ok=True)
             recover_output(out)
             tmp.mkdir()
-            interrupt.register(tmp)  # a signal that ends the process removes it
+            at_once.register(tmp)  # a signal that ends the process removes it
         yield tmps
         for tmp in tmps:
             sync_tree(tmp)
-        with interrupt.shielded():  # the swaps: all or none, a signal reported after them
+        with at_once.shielded():  # the swaps: all or none, a signal reported after them
             for tmp in tmps:
-                interrupt.unregister(tmp)
+                at_once.unregister(tmp)
             _swap_all(resolved, tmps, replace)
     finally:
         for tmp in tmps:  # after a swap a temporary folder holds the old output; else it is unfinished
-            interrupt.unregister(tmp)
+            at_once.unregister(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from uptrain import interrupt  # standard library only
+from uptrain.stopping import at_once  # standard library only
 from uptrain.convert.registry.architectures import FAMILIES  # plain data, no torch
 
 T = TypeVar("T")
@@ -195,15 +195,15 @@ def copy_beside(tensors: list[StoredRange], writer: RangeWriter, phases: Phases,
     If the job fails, the copy stops at the next tensor and the job's error is raised. If this
     thread fails (a full disk), `cancel` is set and the job, which checks it between tensors, is
     waited for before the error goes on, so nothing writes into a removed folder. On Ctrl-C
-    (KeyboardInterrupt: the Python API) `interrupt.CANCEL` is set too, so the job also stops
-    inside a layer, at its next `interrupt.check()` (refinement step, calibration sequence).
+    (KeyboardInterrupt: the Python API) `at_once.CANCEL` is set too, so the job also stops
+    inside a layer, at its next `at_once.check()` (refinement step, calibration sequence).
     """
     cancel = threading.Event()
     pool = ThreadPoolExecutor(1, thread_name_prefix="uptrain-build")
     future = pool.submit(job, cancel)
 
     def copy(run: list[StoredRange], fd: int) -> None:
-        interrupt.pause("copy")
+        at_once.pause("copy")
         with phases("copy"):
             writer.copy_run(run, fd, run[0].offset)
     try:
@@ -214,13 +214,13 @@ def copy_beside(tensors: list[StoredRange], writer: RangeWriter, phases: Phases,
     except BaseException as err:
         cancel.set()
         stopping = isinstance(err, KeyboardInterrupt)
-        if stopping:  # the API's Ctrl-C (the CLI's ends the process in `interrupt`): stop the job's layer now
-            interrupt.CANCEL.set()
+        if stopping:  # the API's Ctrl-C (the CLI's ends the process in `at_once`): stop the job's layer now
+            at_once.CANCEL.set()
         try:
             wait([future])
         finally:
             if stopping:
-                interrupt.CANCEL.clear()
+                at_once.CANCEL.clear()
         raise
     finally:
         pool.shutdown(wait=False)

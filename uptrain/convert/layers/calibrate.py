@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.layers.layer import KEEP, Layer, LayerGone
 from uptrain.convert.layers.layer_stream import (LayerStream, StreamUnsupported, activation_dtype, available_memory,
                                                  torch_threads, whole_model_moments)
@@ -299,7 +299,7 @@ class Calibration:
         keeping of each layer what the users need between them (`schedule.stream_keep`)."""
         from transformers import AutoConfig
 
-        interrupt.pause("calibrate")
+        at_once.pause("calibrate")
         start = time.perf_counter()
         schedule = self.schedule
         keep = stream_keep([self.user(u).keep for u in range(self.users)])

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.math.capture import Captured, Moments, StopForward, recording, summing_moments
 
 KEEP = ("moments", "attention", "layer")
@@ -112,7 +112,7 @@ class Layer:
                 hooks.enter_context(recording(self.attention, self._captured, outputs=self.keep == "attention",
                                               device="cpu"))
             for s, x in enumerate(activations):
-                interrupt.check()  # Ctrl-C: stop within a sequence, not at the end of the layer
+                at_once.check()  # Ctrl-C: stop within a sequence, not at the end of the layer
                 out = self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
                 out = out[0] if isinstance(out, tuple) else out
                 activations[s] = out[0].to("cpu", dtype)
@@ -211,7 +211,7 @@ class Layer:
             self._module.set_submodule(self._attention_name, attention)
             try:
                 for s, x in enumerate(activations):
-                    interrupt.check()
+                    at_once.check()
                     out = self._module(x.to(self.device, torch.float32)[None], **self._kwargs[s])
                     out = out[0] if isinstance(out, tuple) else out
                     activations[s] = out[0].to("cpu", x.dtype)

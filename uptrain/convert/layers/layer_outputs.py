@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.layers.fit_start import clip_note
 from uptrain.convert.layers.layerwise import Layerwise, transform_layer
 from uptrain.convert.registry.architectures import Family
@@ -127,7 +127,7 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
         note = {"head_order": settings.permutations.get(layer), "clip_seen": settings.clip_seen.get(layer),
                 "refine": (refiner.record.get("layers") or [None])[-1] if refiner is not None else None}
         settings.kept.save(index, {**done, **{f"student:{k}": v for k, v in student.items()}}, note)
-        interrupt.pause(f"kept-{index}")
+        at_once.pause(f"kept-{index}")
     if settings.on_layer is not None:
         settings.on_layer(getattr(settings.refiner, "last_line", "")
                           or f"layer {index} converted ({change.method})")

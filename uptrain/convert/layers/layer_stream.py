@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.layer import Layer, LayerGone
 from uptrain.convert.math.capture import Moments, summing_moments
@@ -230,7 +230,7 @@ class LayerStream:
         tick = self._ticker("calibrate embedding", len(sequences))
         try:
             for seq in sequences:
-                interrupt.check()
+                at_once.check()
                 ids = torch.searchsorted(used, torch.tensor(seq, dtype=torch.int64))[None].to(self.device)
                 records.clear()
                 try:
@@ -304,6 +304,6 @@ def whole_model_moments(model: Any, sequences: list[list[int]], device: str) -> 
         for module, moments in sums.values():
             hooks.enter_context(summing_moments(module, moments))
         for seq in sequences:
-            interrupt.check()
+            at_once.check()
             model(input_ids=torch.tensor([seq], device=device), use_cache=False)
     return {prefix: moments.mean() for prefix, (_, moments) in sums.items()}

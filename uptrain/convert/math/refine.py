@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.convert.math.capture import Captured, recording
 from uptrain.convert.math.output_solve import output_projection, solve_output
 from uptrain.convert.registry.choices import REFINE_INPUTS
@@ -230,8 +230,8 @@ def _descend(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], 
     began = shown = time.perf_counter()
     err = best
     for step in range(1, steps + 1):
-        interrupt.pause("refine")
-        interrupt.check()  # Ctrl-C: stop within a step, not at the end of the layer
+        at_once.pause("refine")
+        at_once.check()  # Ctrl-C: stop within a step, not at the end of the layer
         factor = lr_factor(step, steps, o["schedule"])
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * factor

@@ -1,6 +1,6 @@
 """Model FLOPs utilisation: training FLOPs per token and the bf16 dense peak of known GPUs.
 
-One formula for every throughput report (scripts/bench_trainer.py, scripts/gpu_check.py):
+One formula for every throughput report (scripts/bench/bench_trainer.py, scripts/tools/gpu_check.py):
 FLOPs per token = 6 x N + 12 x layers x (heads x head_dim) x seq_len, where N counts the
 parameters that take part in matrix multiplies (all but the input embedding table, which is a
 lookup; a tied table is the output head's matrix and counts once) and the second term is the

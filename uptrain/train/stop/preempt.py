@@ -5,7 +5,7 @@ the checkpoint's load) there is nothing to checkpoint: a stop signal then raises
 from the handler itself, so the process ends within moments wherever set-up is (a scheduler's
 grace is seconds to minutes; set-up can take hours). What set-up writes is written atomically
 (teacher samples chunk by chunk), so a restart continues it. Earlier still, while
-`python -m uptrain.train` imports torch & co., the early handlers of uptrain.stopsignals (installed
+`python -m uptrain.train` imports torch & co., the early handlers of uptrain.stopping.safe_point (installed
 as its first instruction) keep a stop: `StopRequest.installed` takes it over (the phase "imports").
 
 The grace: a scheduler kills a job some time after its stop signal (Slurm's --signal lead time,
@@ -23,7 +23,7 @@ step: every rank sees the same answer at the same step, saves the same checkpoin
 and exits with the same code. The gloo all-reduce of one int on the host costs no device sync.
 
 A second Ctrl-C stops at once (KeyboardInterrupt): the last complete checkpoint is kept, the one
-being written (if any) is never taken for complete. A SIGINT within `SAME_PRESS_S` of the first
+being written (if any) is never taken for complete. A SIGINT within `SAME_PRESS_S` of the first (`uptrain.stopping.codes`, the owner of exit codes and second signals)
 counts as the same press: a terminal sends Ctrl-C to the launcher and to its workers, and
 `accelerate launch` / torchrun forward it to the workers again.
 
@@ -49,12 +49,9 @@ import time
 
 import torch
 
-from uptrain import stopsignals
+from uptrain.stopping import safe_point
+from uptrain.stopping.codes import STOP_SIGNALS, is_second_press, signal_name
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; resume=latest continues
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once by a second Ctrl-C; the last complete checkpoint is kept
-STOP_SIGNALS = stopsignals.STOP_SIGNALS
-SAME_PRESS_S = 1.0
 _STOP_SEEN = threading.Event()  # a stop signal reached this process (read only by the checkpoint test hook)
 
 
@@ -66,12 +63,12 @@ class Preempted(Exception):
         self.signal_name, self.step, self.steps, self.checkpoint = signal_name, step, steps, checkpoint
 
 
-class StoppedInSetup(stopsignals.Stopped):
+class StoppedInSetup(safe_point.Stopped):
     """A stop signal before the first step (nothing to checkpoint yet), raised by the handler.
 
     A BaseException, like KeyboardInterrupt: library code that catches Exception (a loader trying a
-    fallback) must not swallow it. The CLI catches its base class, stopsignals.Stopped: the early
-    handlers (uptrain.stopsignals, installed first thing by `python -m uptrain.train`) raise that one
+    fallback) must not swallow it. The CLI catches its base class, safe_point.Stopped: the early
+    handlers (uptrain.stopping.safe_point, installed first thing by `python -m uptrain.train`) raise that one
     during the imports."""
 
     def __init__(self, signal_name: str, phase: str):
@@ -93,7 +90,7 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT:
             now = time.monotonic()
-            if self._first_sigint is not None and now - self._first_sigint > SAME_PRESS_S:
+            if is_second_press(self._first_sigint, now):
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             self._first_sigint = self._first_sigint or now
         if not self.signum:
@@ -103,7 +100,7 @@ class StopRequest:
             raise StoppedInSetup(signal_name(self.signum), self.phase)
 
     def _take_early_stop(self) -> None:
-        signum, received_at, phase = stopsignals.take()
+        signum, received_at, phase = safe_point.take()
         if signum:  # before this handler existed: the imports (or whatever the entry point named)
             self.signum, self.received_at, self.phase = signum, received_at, phase or self.phase
             _STOP_SEEN.set()
@@ -138,7 +135,7 @@ class StopRequest:
     def installed(self):
         """Handle the stop signals inside the block; the previous handlers come back after it.
 
-        A stop that the early handlers (uptrain.stopsignals) recorded before is taken over: it is a
+        A stop that the early handlers (uptrain.stopping.safe_point) recorded before is taken over: it is a
         stop during set-up, raised here, in the phase they were in (the grace counts from it)."""
         if threading.current_thread() is not threading.main_thread():  # only the main thread may
             yield self
@@ -167,9 +164,6 @@ class StopRequest:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return int(flag.item())
 
-
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
 
 
 def seconds_left(grace_s: float | None, since_signal_s: float | None) -> float | None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from uptrain.cli import format_table
-from uptrain.sweep_extras import after_uptraining, notes, table_columns
-from uptrain.sweep_record import RECORDS
+from uptrain.sweep.extras import after_uptraining, notes, table_columns
+from uptrain.sweep.record import RECORDS
 
 PLOTS = {"loss": "sweep.png", "kl_to_source": "sweep-fidelity.png"}
 

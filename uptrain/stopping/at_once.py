@@ -1,4 +1,6 @@
-"""Ctrl-C and SIGTERM during a conversion: every one ends the run cleanly (standard library only).
+"""End at once, from the handler: Ctrl-C and SIGTERM during a conversion, the sweep or the demo end
+the run cleanly, every one (standard library only; the other behaviour, record then stop at a safe
+point: `safe_point.py`; exit codes and second signals: `codes.py`).
 
 The command line (`install()`, the first act of `python -m uptrain.convert`): a SIGINT or SIGTERM,
 first or second, at any point, ends the process at once from the signal handler: the temporary
@@ -41,6 +43,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from uptrain.stopping.codes import killed_by, signal_name
+
 CANCEL = threading.Event()  # the API's Ctrl-C: workers stop at their next `check()`
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _state: dict = {"installed": False, "signal": None, "shield": 0, "written": None}
@@ -64,13 +68,13 @@ def install(program: str = "uptrain.convert", as_it_was: str = "the output folde
 
 def exit_code() -> int:
     """130 for SIGINT (also a KeyboardInterrupt without our handler), 143 for SIGTERM."""
-    return 128 + (_state["signal"] or signal.SIGINT)
+    return killed_by(_state["signal"] or signal.SIGINT)
 
 
 def message() -> str:
     """The one line an interrupted run prints (the output as it was, or, once `written`, complete)."""
     signum = _state["signal"] or signal.SIGINT
-    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}"
     program = _state.get("program", "uptrain.convert")
     if _state["written"] is not None:
         return f"{program}: {what} after {_state['written']} was put in place; it is the complete new folder"
@@ -167,7 +171,7 @@ def end_after_training_stop(err: BaseException) -> None:
     a step (its checkpoint written), a second Ctrl-C. Such a stop ends this CLI as any other stop
     does: the folders being written removed, one line, exit 128 + the signal. Any other error is
     left to the caller (this returns)."""
-    name = getattr(err, "signal_name", None)  # stopsignals.Stopped and train.stop.preempt.Preempted carry it
+    name = getattr(err, "signal_name", None)  # safe_point.Stopped and train.stop.preempt.Preempted carry it
     if isinstance(err, KeyboardInterrupt) and name is None:
         name = "SIGINT"
     if not _state["installed"] or name not in signal.Signals.__members__:

@@ -1,45 +1,9 @@
-"""`python -m uptrain.sweep`: the quality / KV-cache trade curve over K/V head counts, one command.
+"""The sweep itself: its arguments, the counts, each count converted, kept or redone, and scored.
 
-    python -m uptrain.sweep CKPT --data HELD_OUT [--calib FILE] [--method fit] [--refine]
-                            [--kv-heads 4,2,1 | all] [--baseline mean] --out DIR
-                            [--bench [--runtime llama.cpp]] [--uptrain-tokens N [--train-data FILE]]
-
-Converts CKPT to each K/V head count (default: every count below the source's that it can take),
-scores each on held-out text within the model's context with `uptrain.eval`'s own code, and
-measures the KV cache per token and at the model's full context for `--batch` sequences. Writes:
-
-  DIR/kv{N}/        each converted folder, as `uptrain.convert` writes it (DIR/mean-kv{N}/: --baseline)
-  DIR/sweep.json    one record per count and the source: kv_heads, loss, perplexity,
-                    kv_bytes_per_token, kv_bytes_at_context, the conversion settings, seconds
-  DIR/sweep.png     loss against KV bytes per token, the source as the reference line
-  DIR/kv{N}-uptrained/  with --uptrain-tokens N: the uptraining run of each count (model/ inside)
-
-`--bench` adds each folder's decode tokens/s (uptrain.bench's timer), `--uptrain-tokens N` a short
-uptraining of each converted folder with the project's recipe and its loss after it (a second
-curve on sweep.png, a second recommendation): uptrain.sweep_extras.
-
-and prints the table and a recommendation: the smallest count whose loss is within
-`--max-loss-increase` (default 1%) of the source's, or a plain statement that none is.
-
-The conversion options are uptrain.convert's (`uptrain.convert.options`: the same flags, the same
-rule for when --calib is used, the same refusals), so each DIR/kv{N} is what `uptrain.convert`
-writes with them. The counts of a method are converted together (`convert.several`: one read of
-the source, one calibration pass) and appear all at once or not at all.
-
-A rerun continues: sweep.json records what every number depends on (`uptrain.sweep_record`: the
-checkpoint's and the texts' content fingerprints, every setting); a count is kept only when its
-record matches and its folder is one this sweep wrote (its mark), scored again when only the
-held-out text changed, done again otherwise, each with a line saying what changed. A folder at one
-of the sweep's paths that it did not write is refused, never replaced.
+The command and what it writes: this package's doc (`uptrain/sweep/__init__.py`).
 """
 
 from __future__ import annotations
-
-AS_IT_WAS = "every folder is whole (a count's folders appear all at once); sweep.json keeps the counts scored: rerun to continue"
-if __name__ == "__main__":  # first act: Ctrl-C / SIGTERM during the imports below end the run cleanly too
-    from uptrain import interrupt
-
-    interrupt.install("uptrain.sweep", AS_IT_WAS)
 
 import functools
 import time
@@ -49,9 +13,11 @@ from pathlib import Path
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert.options import ConversionOptions, add_conversion_args, conversion_options
 from uptrain.errors import UsageError, exit_on_usage_error
-from uptrain.sweep_extras import add_extra_args, check_extras, fidelity_of, run_extras
-from uptrain.sweep_record import MARK, SweepFolder, changes
-from uptrain.sweep_report import print_estimate, recommend, report  # noqa: F401 (recommend: public here too)
+from uptrain.sweep import AS_IT_WAS
+from uptrain.sweep import __doc__ as SWEEP_DOC
+from uptrain.sweep.extras import add_extra_args, check_extras, fidelity_of, run_extras
+from uptrain.sweep.record import MARK, SweepFolder, changes
+from uptrain.sweep.report import print_estimate, recommend, report  # noqa: F401 (recommend: public here too)
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 
 
@@ -69,10 +35,10 @@ class Point:
     folder: str
     settings: dict
     seconds: float  # conversion + scoring
-    # --bench (uptrain.sweep_extras): median decode tokens/s, timed by uptrain.bench's code, and how
+    # --bench (`extras.py`): median decode tokens/s, timed by uptrain.bench's code, and how
     decode_tokens_per_s: float | None = None
     bench: dict | None = None
-    # --uptrain-tokens N (uptrain.sweep_extras): the folder uptrained with the recipe, scored again
+    # --uptrain-tokens N (`extras.py`): the folder uptrained with the recipe, scored again
     loss_after_uptraining: float | None = None
     perplexity_after_uptraining: float | None = None
     uptrain_tokens: int | None = None  # tokens trained (the budget, in whole optimizer steps)
@@ -114,7 +80,7 @@ def sweep_counts(spec: str, heads: int, kv: int, mqa_only: bool, model_type: str
 
 
 def _parser() -> ArgParser:
-    p = ArgParser(prog=prog_name("uptrain.sweep"), description=__doc__.splitlines()[0])
+    p = ArgParser(prog=prog_name("uptrain.sweep"), description=SWEEP_DOC.splitlines()[0])
     p.add_argument("checkpoint", help="the MHA (or GQA) model: a local folder or a Hub id")
     p.add_argument("--data", type=Path, required=True, help="held-out text to score on (.txt: a blank line between "
                    "documents; .jsonl/.json/.parquet: a text field); not the calibration text")
@@ -150,12 +116,12 @@ def _check_args(args) -> ConversionOptions:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    """The sweep (`argv` None: this process's arguments, with `uptrain.interrupt`'s stop handling, also
+    """The sweep (`argv` None: this process's arguments, with `uptrain.stopping.at_once`'s stop handling, also
     for the console script; a list: as a function, for tests, the process's handlers left alone)."""
     if argv is None:
-        from uptrain import interrupt
+        from uptrain.stopping import at_once
 
-        interrupt.install("uptrain.sweep", AS_IT_WAS)
+        at_once.install("uptrain.sweep", AS_IT_WAS)
     args = _parser().parse_args(argv)
     options = _check_args(args)
     sweep = SweepFolder(args.out)  # refuses a folder this version did not write
@@ -299,10 +265,10 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
                    calibration=calibration, grouping=options.grouping, refine=refine,
                    on_planned=lambda plans: print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"},
                    progress=lambda count, line: print(f"   kv{count}: {line}", flush=True))
-    from uptrain import interrupt
+    from uptrain.stopping import at_once
 
-    interrupt.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now
-    interrupt.written(None)  # the sweep goes on (scoring, uptraining): a later stop says the sweep's own line
+    at_once.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now
+    at_once.written(None)  # the sweep goes on (scoring, uptraining): a later stop says the sweep's own line
     seconds = (time.monotonic() - began) / len(counts)  # the conversion's share of each count
     method = options.method + ("+refine" if refine else "")
     settings = {"conversion": conversion, "converted_with": counts}
@@ -330,7 +296,3 @@ def _vocab_size(raw: dict) -> int:
     """The source's vocabulary (chance loss = ln of it), top level or in a multimodal text_config."""
     return raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
 
-
-if __name__ == "__main__":
-    code = main()
-    interrupt.finish(code)  # after a signal held while folders were put in place: at once

@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from uptrain import interrupt
+from uptrain.stopping import at_once
 from uptrain.cli import positive_int
 from uptrain.errors import UsageError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "paper" / "uptrain.yaml"  # the recipe study's choice (docs/uptrain.md)
 RUNTIMES = ("transformers", "llama.cpp")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -253,7 +253,7 @@ def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: lis
     try:
         train(config)
     except BaseException as err:  # train() handles stop signals itself while it runs: its stop ends the sweep
-        interrupt.end_after_training_stop(err)
+        at_once.end_after_training_stop(err)
         raise
     finished = json.loads((run_dir / "finished.json").read_text())
     from uptrain.measure.fidelity import GreedySettings

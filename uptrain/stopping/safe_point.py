@@ -1,4 +1,5 @@
-"""Stop signals (SIGTERM, SIGUSR1, SIGINT) handled from a process's first instruction (stdlib only).
+"""Record a stop, then stop at a safe point: stop signals (SIGTERM, SIGUSR1, SIGINT) handled from a
+process's first instruction (stdlib only; the other behaviour, end at once: `at_once.py`).
 
 A scheduler may stop a job at any moment, also while Python is still importing torch & co.
 (seconds): with Python's default handlers SIGTERM and SIGUSR1 kill the process there and then
@@ -6,8 +7,8 @@ A scheduler may stop a job at any moment, also while Python is still importing t
 any heavy import:
 
     if __name__ == "__main__":  # first act: a stop during the imports below is kept
-        from uptrain import stopsignals
-        stopsignals.install()
+        from uptrain.stopping import safe_point
+        safe_point.install()
 
 From then on a stop signal is recorded (the first one and when it came) and the imports go on.
 The entry point arms the handlers once it can act on a stop (its arguments read: it knows where to
@@ -34,7 +35,8 @@ import signal
 import threading
 import time
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
+from uptrain.stopping.codes import STOP_SIGNALS, signal_name
+
 
 
 class Stopped(BaseException):
@@ -126,6 +128,3 @@ def installed() -> bool:
     """Whether `install()` ran in this process."""
     return _state.installed
 
-
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
