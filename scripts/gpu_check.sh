@@ -4,7 +4,7 @@
 # shard=fsdp2 over one process, and through configs/accelerate/fsdp2.yaml; prints tokens/s and
 # MFU per run and writes runs/gpu-check/gpu_check.json. Under 5 minutes on one H100/H200.
 # Without CUDA (or with GPU_CHECK_TINY=1) the same runs use a tiny shape on CPU (~1 minute),
-# so the script is exercised by tests/test_gpu_check.py. Details: scripts/gpu_check.py.
+# so the script is exercised by tests/test_gpu_check.py. Details: scripts/tools/gpu_check.py.
 #   bash scripts/gpu_check.sh
 # GPU_CHECK_PYTHON: a Python with uptrain's dependencies (default: .venv, set up by scripts/setup.sh).
 set -euo pipefail
@@ -14,4 +14,4 @@ if [ -z "${GPU_CHECK_PYTHON:-}" ]; then
   GPU_CHECK_PYTHON=.venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$GPU_CHECK_PYTHON" scripts/gpu_check.py "$@"
+exec "$GPU_CHECK_PYTHON" scripts/tools/gpu_check.py "$@"

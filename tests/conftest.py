@@ -166,7 +166,7 @@ def sgd_two_processes(tmp_path_factory):
 
 # ---------------------------------------------------------------- workers (scripts/test.sh: pytest -n 3 --dist loadfile)
 
-# The longest files first (their measured CPU and time: results/suite-time.md, scripts/suite_cpu.py), so that
+# The longest files first (their measured CPU and time: results/suite-time.md, scripts/bench/suite_cpu.py), so that
 # no worker is left running one of them alone at the end. Order only: every file still runs.
 LONGEST_FIRST = ("tests/train/test_slurm.py",  # mostly waiting on slurmctld: started first, its waits overlap the rest
                  "tests/test_readme_uptrain.py", "tests/train/test_preempt.py", "tests/train/test_train_fsdp2.py",

@@ -1,6 +1,6 @@
 """The README and docs/ are the contract: their command blocks run, in order, on the bundled model and text.
 
-The pages form independent chains (scripts/readme_commands.py's CHAINS), each run in a fresh folder:
+The pages form independent chains (scripts/tools/readme_commands.py's CHAINS), each run in a fresh folder:
 this file runs the first (README, convert, deploy, own-model, paper, ...), test_readme_uptrain.py the
 second (uptrain, then measure on its runs), so that the two run side by side on pytest-xdist workers.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))
 import readme_commands  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """docs/uptrain.md's commands, then docs/measure.md's on its runs, in a fresh folder (the second of
-scripts/readme_commands.py's CHAINS; tests/test_readme.py runs the first, side by side with this one)."""
+scripts/tools/readme_commands.py's CHAINS; tests/test_readme.py runs the first, side by side with this one)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/refine_layer_time.py (results/refine-layer-time.md) on a tiny shape: it runs, and its record
+"""scripts/bench/refine_layer_time.py (results/refine-layer-time.md) on a tiny shape: it runs, and its record
 has positive seconds per step and per layer for both the defaults before issue 43 and today's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import refine_layer_time  # noqa: E402
 from uptrain.convert.math import refine  # noqa: E402
 

@@ -3,7 +3,7 @@
 A record that says `/work/main/examples/stories260K-mha8` or `--out /tmp/bench-sweep` tells a reader about
 someone else's disk, not where to look in their checkout (issue 41). Paths in the repository are relative
 to its root, ../shared is `../shared/...`, and a scratch folder outside it is `SCRATCH/...`
-(scripts/shown.py, which the scripts that write results/ use). Binary files (the plots) are not read.
+(scripts/tools/shown.py, which the scripts that write results/ use). Binary files (the plots) are not read.
 """
 
 from __future__ import annotations
@@ -25,4 +25,4 @@ def test_results_hold_no_absolute_paths_of_a_machine() -> None:
             if MACHINE_PATH.search(line):
                 found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()[:160]}")
     assert not found, ("absolute paths of a machine in results/ (make them relative to the repository, or "
-                       "SCRATCH/... for a folder outside it: scripts/shown.py):\n" + "\n".join(found))
+                       "SCRATCH/... for a folder outside it: scripts/tools/shown.py):\n" + "\n".join(found))

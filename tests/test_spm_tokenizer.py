@@ -1,6 +1,6 @@
 """The bundled model's SentencePiece `tokenizer.model` (what llama.cpp's GGUF converter reads).
 
-It is rebuilt from tokenizer.json by scripts/make_spm_tokenizer.py; it must tokenize as
+It is rebuilt from tokenizer.json by scripts/tools/make_spm_tokenizer.py; it must tokenize as
 transformers does, and its presence must not change how transformers tokenizes (tokenizer.json
 still decides). The sentencepiece comparison needs the optional `sentencepiece` package.
 """
@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
 
-spec = importlib.util.spec_from_file_location("make_spm_tokenizer", REPO / "scripts" / "make_spm_tokenizer.py")
+spec = importlib.util.spec_from_file_location("make_spm_tokenizer", REPO / "scripts" / "tools" / "make_spm_tokenizer.py")
 make_spm = importlib.util.module_from_spec(spec)
 sys.modules["make_spm_tokenizer"] = make_spm
 spec.loader.exec_module(make_spm)

@@ -2,7 +2,7 @@
 
 One process (the model and AdamW state written by rank 0 through accelerate's save_state):
 
-    .venv/bin/python scripts/bench_checkpoint.py --sizes 125m,350m,1b --repeats 3 \
+    .venv/bin/python scripts/bench/bench_checkpoint.py --sizes 125m,350m,1b --repeats 3 \
         --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-1p.jsonl
 
 Two processes, DDP on CPU (rank 0 still writes everything) and the sharded path
@@ -10,10 +10,10 @@ Two processes, DDP on CPU (rank 0 still writes everything) and the sharded path
 torch.distributed.checkpoint, as `shard: fsdp2` runs do):
 
     .venv/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
-        --dynamo_backend no --main_process_port 29517 scripts/bench_checkpoint.py --sizes 125m,350m \
+        --dynamo_backend no --main_process_port 29517 scripts/bench/bench_checkpoint.py --sizes 125m,350m \
         --mode ddp --repeats 3 --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-2p-ddp.jsonl
     .venv/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
-        --dynamo_backend no --main_process_port 29518 scripts/bench_checkpoint.py --sizes 125m,350m,1b \
+        --dynamo_backend no --main_process_port 29518 scripts/bench/bench_checkpoint.py --sizes 125m,350m,1b \
         --mode sharded --repeats 3 --run-dir runs/bench-ckpt --drop-caches --out runs/ckpt-2p-sh.jsonl
 
 (`--mode sharded` without a launcher shards over a one-process group: the one-writer DCP baseline.)

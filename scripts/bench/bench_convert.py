@@ -1,7 +1,7 @@
 """Measure conversion wall time and peak memory on a checkpoint with a real model's shapes,
 against copying the same folder.
 
-    python scripts/bench_convert.py ../shared/data/configs/llama-2-7b-hf.json --kv-heads 8 \
+    python scripts/bench/bench_convert.py ../shared/data/configs/llama-2-7b-hf.json --kv-heads 8 \
         --dtype bfloat16 --work runs/bench-convert [--layers 4] [--set KEY=VALUE ...] [--repeats 3] \
         [--warmup 1] [--evict] [--keep]
 

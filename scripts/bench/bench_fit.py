@@ -1,6 +1,6 @@
 """Time the closed-form fit (`--method fit`) on one attention layer with a real model's shapes.
 
-    OMP_NUM_THREADS=2 python scripts/bench_fit.py [--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128]
+    OMP_NUM_THREADS=2 python scripts/bench/bench_fit.py [--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128]
         [--no-bias] [--tokens 8192] [--old-groups 1] [--old-ref 8dc0f91]
 
 Random bfloat16 weights (std 0.02) for q/k/v(/biases)/o, taken to float64 the way
@@ -30,7 +30,7 @@ import torch
 
 from uptrain.convert.math.fit import fit_keys, fit_values, rotary_planes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def rss_mib(field: str) -> float:

@@ -1,6 +1,6 @@
 """What converting a sweep's K/V counts together saves: one conversion per count vs `convert_counts`.
 
-    python scripts/bench_sweep.py MODEL --calib FILE [--calib-tokens 2048] [--counts 8,4,2]
+    python scripts/bench/bench_sweep.py MODEL --calib FILE [--calib-tokens 2048] [--counts 8,4,2]
         [--method fit] [--refine-steps 0] [--out runs/bench-sweep] [--json results/....json]
 
 For each count alone (`uptrain.convert.convert`, a fresh calibration each) and then for all counts
@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))  # shown.py
 
 from uptrain.convert import convert  # noqa: E402
 from uptrain.convert.io.source import SourceCheckpoint  # noqa: E402
 from uptrain.convert.layers.calibrate import Calibration  # noqa: E402
 from uptrain.convert.layers.refine_layer import RefineSettings  # noqa: E402
 from uptrain.convert.several import convert_counts  # noqa: E402
-from shown import shown_command  # noqa: E402  (scripts/shown.py: paths as results/ names them)
+from shown import shown_command  # noqa: E402  (scripts/tools/shown.py: paths as results/ names them)
 
 READ_BYTES = [0]
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return [calibration]
     rows = [_run("one conversion per count", alone), _run("all counts together", together)]
     shutil.rmtree(args.out, ignore_errors=True)
-    result = {"command": shown_command(["python", "scripts/bench_sweep.py", *(argv or sys.argv[1:])]),
+    result = {"command": shown_command(["python", "scripts/bench/bench_sweep.py", *(argv or sys.argv[1:])]),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "counts": counts, "rows": rows}
     if args.json:

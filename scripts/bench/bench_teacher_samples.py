@@ -1,7 +1,7 @@
 """Generation speed of `data.train.teacher_samples`, before and after issue 49, in one run.
 
-    python scripts/bench_teacher_samples.py examples/stories260K-mha8 --threads 1 --tokens 262144
-    python scripts/bench_teacher_samples.py examples/stories260K-mha8 --threads 2 --tokens 262144 --json results/teacher-samples-speed.json
+    python scripts/bench/bench_teacher_samples.py examples/stories260K-mha8 --threads 1 --tokens 262144
+    python scripts/bench/bench_teacher_samples.py examples/stories260K-mha8 --threads 2 --tokens 262144 --json results/teacher-samples-speed.json
 
 "before": transformers' `generate` (dynamic KV cache, full-sort top-p), 64 sequences at a time: what
 `generate_documents` ran before issue 49 with the shipped config's batch 64 (kept here, verbatim in

@@ -1,6 +1,6 @@
 """Tokens/s of uptrain.train against a minimal hand-written PyTorch loop (same model, batch, dtype).
 
-    python scripts/bench_trainer.py --model ../shared/data/models/stories260K-gqa4 \
+    python scripts/bench/bench_trainer.py --model ../shared/data/models/stories260K-gqa4 \
         --data ../shared/data/corpora/tinystories-train-sample.txt --seq-len 256 --micro-batch 8 \
         --grad-accum 2 --steps 40 --warmup 5 --repeats 3
 
@@ -34,7 +34,7 @@ from uptrain.train.config import load_config
 from uptrain.train.state.run_state import MetricsLog
 from uptrain.train.setup import make_optimizer
 
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml"
 
 
 def random_model(source: str, hidden: int, layers: int, out: Path) -> str:

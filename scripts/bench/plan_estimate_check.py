@@ -1,6 +1,6 @@
 """Does the plan's time bound hold? Real refining conversions, idle and under artificial load.
 
-    python scripts/plan_estimate_check.py --busy 0 2 4 --json SCRATCH/plan-estimate.jsonl
+    python scripts/bench/plan_estimate_check.py --busy 0 2 4 --json SCRATCH/plan-estimate.jsonl
 
 For each number of busy processes (`python -c "while True: pass"`, started by this script and
 ended by it, by their ids), after `--settle` seconds for the load average to see them, each model
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODELS = [REPO / "examples" / "stories260K-mha8", REPO / "results" / "paper" / "reference-mha8"]
 CALIB = REPO / "examples" / "data" / "tinystories-train-sample.txt"
 

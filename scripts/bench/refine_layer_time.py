@@ -2,7 +2,7 @@
 issue 43 and now; numbers for results/refine-layer-time.md.
 
     # results/refine-layer-time.json (3.5 min on 2 idle cores; ~5 min a shape at most):
-    .venv/bin/python scripts/refine_layer_time.py --shape both --steps-timed 5 \
+    .venv/bin/python scripts/bench/refine_layer_time.py --shape both --steps-timed 5 \
         --json results/refine-layer-time.json
     # the small case the test runs (seconds): --shape tiny --steps-timed 1 --json SCRATCH/t.json
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(s, args.steps_timed, args.calib_tokens, args.check, log) for s in shapes]
     print(table(results))
     if args.json:
-        record = {"command": "python scripts/refine_layer_time.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        record = {"command": "python scripts/bench/refine_layer_time.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "started_utc": started.isoformat(timespec="seconds"),
                   "ended_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "machine": machine(), "old_defaults": OLD, "new_defaults": NEW, "shapes": results}

@@ -2,7 +2,7 @@
 
     # from a checkout of the code to time (its `uptrain/` is imported: a `git worktree` of an older
     # commit times that commit's refinement), the converter's own arguments after `--`:
-    cd CHECKOUT && python /path/to/scripts/refine_speed.py --json rows.jsonl --tag new-s2 \
+    cd CHECKOUT && python /path/to/scripts/bench/refine_speed.py --json rows.jsonl --tag new-s2 \
         --eval-data examples/data/tinystories-valid-sample.txt -- \
         examples/stories260K-mha8 --kv-heads 2 --method fit --grouping similar \
         --calib examples/data/tinystories-train-sample.txt --calib-tokens 16384 --refine --out SCRATCH/r2 --force

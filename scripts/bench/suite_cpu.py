@@ -1,7 +1,7 @@
 """Where the test suite's CPU goes: a pytest plugin that records each test's CPU seconds, and a summary.
 
-    PYTHONPATH=scripts SUITE_CPU_OUT=runs/suite-cpu.jsonl bash scripts/test.sh -p suite_cpu
-    python scripts/suite_cpu.py runs/suite-cpu.jsonl [--top 25]
+    PYTHONPATH=scripts/bench SUITE_CPU_OUT=runs/suite-cpu.jsonl bash scripts/test.sh -p suite_cpu
+    python scripts/bench/suite_cpu.py runs/suite-cpu.jsonl [--top 25]
 
 Each test appends one JSON line: its CPU seconds in the test process (`self`: user + system) and in
 the child processes it waited for (`child`: every real process it ran, with theirs), its wall time
@@ -76,7 +76,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/suite_cpu.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python scripts/bench/suite_cpu.py", description=__doc__.splitlines()[0])
     p.add_argument("jsonl", help="the file SUITE_CPU_OUT named")
     p.add_argument("--top", type=int, default=25, help="how many files to list")
     args = p.parse_args(argv)

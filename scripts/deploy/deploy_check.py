@@ -1,6 +1,6 @@
 """Check that a model folder runs in llama.cpp as it does in transformers (GGUF conversion, logits, KV cache).
 
-    python scripts/deploy_check.py MODEL [MODEL ...] --llama-cpp DIR [--outtype f32] [--n-ctx 512]
+    python scripts/deploy/deploy_check.py MODEL [MODEL ...] --llama-cpp DIR [--outtype f32] [--n-ctx 512]
         [--text examples/data/tinystories-valid-sample.txt] [--json OUT.json] [--md OUT.md]
 
 For each model folder: convert it to GGUF with llama.cpp's convert_hf_to_gguf.py (from --llama-cpp
@@ -28,13 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))  # shown.py
 
 from uptrain.errors import UsageError  # noqa: E402
 from uptrain.measure import gguf  # noqa: E402
 from uptrain.threads import add_threads_arg, start_threads  # noqa: E402
-from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
+from shown import shown  # noqa: E402  (scripts/tools/shown.py: paths as results/ names them)
 
 
 def logit_agreement(a, b) -> dict:

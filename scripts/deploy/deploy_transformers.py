@@ -1,6 +1,6 @@
 """Check a converted folder where users deploy it: transformers' static cache, torch.export, ONNX, vLLM's fields.
 
-    python scripts/deploy_transformers.py MODEL [--prompt TEXT] [--new-tokens 16] [--max-cache-len 64]
+    python scripts/deploy/deploy_transformers.py MODEL [--prompt TEXT] [--new-tokens 16] [--max-cache-len 64]
         [--out DIR] [--no-onnx] [--compile] [--tolerance 1e-4] [--json PATH]
 
 Every check runs the same greedy decode of `--new-tokens` tokens after the prompt, and compares
@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "tools"))  # shown.py
 
 import torch  # noqa: E402
 
@@ -49,7 +50,7 @@ from uptrain.cli import format_table, write_json  # noqa: E402
 from uptrain.convert.io.hfconfig import model_shape  # noqa: E402
 from uptrain.convert.io.passthrough import read_header  # noqa: E402
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
-from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
+from shown import shown  # noqa: E402  (scripts/tools/shown.py: paths as results/ names them)
 
 # config.json fields vLLM's Llama-family loader reads (through transformers' AutoConfig)
 VLLM_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -269,7 +270,7 @@ def summary(results: dict[str, dict[str, Any]], tolerance: float) -> str:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/deploy_transformers.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python scripts/deploy/deploy_transformers.py", description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path, help="a converted model folder (config.json + safetensors)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--new-tokens", type=int, default=16)

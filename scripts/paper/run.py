@@ -46,7 +46,7 @@ EXAMPLES = REPO / "examples"
 COMMITTED = REPO / "results" / "paper"
 KVS = (4, 2, 1)
 METHODS = ("mean", "first", "random")
-# configs/paper/uptrain.yaml now holds the tuned recipe (scripts/recipe_study.py); the paper's
+# configs/paper/uptrain.yaml now holds the tuned recipe (scripts/studies/recipe_study.py); the paper's
 # own recipe is spelled out here so that this table stays what it was: the pre-training peak lr,
 # 10 warm-up steps, cosine to 1/10, everything trained, no teacher.
 PAPER_RECIPE = ("optim.lr=1e-3", "optim.warmup_steps=10", "optim.min_lr_ratio=0.1", "optim.schedule=cosine",

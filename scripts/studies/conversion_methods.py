@@ -1,6 +1,6 @@
 """Measure conversion methods at alpha = 0 (no uptraining) and write results/conversion-methods.md.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py [--only stories|reference]
+    PYTHONPATH=$PWD .venv/bin/python scripts/studies/conversion_methods.py [--only stories|reference]
 
 Part 1, stories260K-mha8 (examples/): kv 2 and 1, scored on examples/data/tinystories-valid-sample.txt
 (512-token windows, stride 256, as the README's demo table); fit+calib calibrated on the first 16,384
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
@@ -106,9 +106,9 @@ Machine: 2 CPU cores, shared with other jobs; torch {torch.__version__}, float32
 (no sampling; grouping and fit are deterministic), so no seed. Command (from the repository root):
 
 ```bash
-PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py              # both parts
-PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py --only stories
-PYTHONPATH=$PWD .venv/bin/python scripts/conversion_methods.py --only reference
+PYTHONPATH=$PWD .venv/bin/python scripts/studies/conversion_methods.py              # both parts
+PYTHONPATH=$PWD .venv/bin/python scripts/studies/conversion_methods.py --only stories
+PYTHONPATH=$PWD .venv/bin/python scripts/studies/conversion_methods.py --only reference
 # the same bake-off on any checkpoint:
 python -m uptrain.measure.methods examples/stories260K-mha8 --kv-heads 2 1 \\
     --eval-data examples/data/tinystories-valid-sample.txt \\

@@ -1,8 +1,8 @@
 """Fidelity beside the loss, at every K/V count, for every start and after a short uptraining.
 
-    python scripts/fidelity_study.py --model stories --out runs/fidelity      # the bundled stories260K-mha8
-    python scripts/fidelity_study.py --model reference --out runs/fidelity    # results/paper/reference-mha8
-    python scripts/fidelity_study.py --table runs/fidelity                    # results/fidelity.json + tables
+    python scripts/studies/fidelity_study.py --model stories --out runs/fidelity      # the bundled stories260K-mha8
+    python scripts/studies/fidelity_study.py --model reference --out runs/fidelity    # results/paper/reference-mha8
+    python scripts/studies/fidelity_study.py --table runs/fidelity                    # results/fidelity.json + tables
 
 Everything runs through `uptrain.sweep` (so each number is what a user gets from it, scored against
 the source by `uptrain.eval --reference`'s code): per model, at every K/V count below the source's,
@@ -28,7 +28,7 @@ import sys
 from itertools import combinations
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALPHAS = (0.0, 0.9, 1.0)
 MODELS = {  # name: (checkpoint, held-out text, calibration / training text, uptraining tokens)
     "stories": ("examples/stories260K-mha8", "examples/data/tinystories-valid-sample.txt",

@@ -1,7 +1,7 @@
 """Measure the fit's start where it refused before issue 43 (partial rotary, key norms, clip_qkv) against
 mean pooling, family by family, on random-weight models; prints the tables of results/function-aware-starts.md.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python scripts/fit_starts.py --work SCRATCH/fit-starts
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python scripts/studies/fit_starts.py --work SCRATCH/fit-starts
 
 Each case is a transformers model of the family (8 heads, 8 K/V heads, head_dim 8 (Gemma 3: 16), 4
 layers, vocabulary 512 with stories260K's tokenizer), random weights (`tests/tiny.py`'s recipe: the
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))  # shown.py
 
 from shown import shown  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The quality-per-compute curve on the hard case (issue 49): held-out loss and KL to the source
 against uptraining tokens and CPU-seconds, on stories260K-mha8 -> K/V heads, for named recipes.
 
-    python scripts/quality_curve.py --kv-heads 2 --cells paper,recipe-text,recipe-samples --jobs 2
-    python scripts/quality_curve.py --report          # results/quality-curve.md's tables from the record
+    python scripts/studies/quality_curve.py --kv-heads 2 --cells paper,recipe-text,recipe-samples --jobs 2
+    python scripts/studies/quality_curve.py --report          # results/quality-curve.md's tables from the record
 
 Each cell uptrains one start (`mean`: the paper's pooling; `quality`: fit + similar grouping +
 calibration + refine, the converter's quality path) with the project's trainer, evaluating on the
@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "examples" / "stories260K-mha8"
 TRAIN = REPO / "examples" / "data" / "tinystories-train-sample.txt"
 VALID = REPO / "examples" / "data" / "tinystories-valid-sample.txt"

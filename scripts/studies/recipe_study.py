@@ -2,10 +2,10 @@
 distillation win the quality back on the paper-reproduction reference model.
 
     python scripts/paper/prepare.py --out runs/paper          # data split (once, ~20 s)
-    python scripts/recipe_study.py --jobs 2                    # every stage; rerun to continue
-    python scripts/recipe_study.py --report                    # the tables (markdown) from the JSON
-    python scripts/recipe_study.py --final --jobs 2            # the chosen recipe on every start
-    python scripts/recipe_study.py --final --report
+    python scripts/studies/recipe_study.py --jobs 2                    # every stage; rerun to continue
+    python scripts/studies/recipe_study.py --report                    # the tables (markdown) from the JSON
+    python scripts/studies/recipe_study.py --final --jobs 2            # the chosen recipe on every start
+    python scripts/studies/recipe_study.py --final --report
 
 Starts: `results/paper/reference-mha8` converted to 4 and 1 K/V heads with `--method mean` (the
 paper's) and `--method fit --calib` (16,384 tokens of the training split), plus the MHA model
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "runs" / "recipe"
 REFERENCE = REPO / "results" / "paper" / "reference-mha8"
 TEACHER = "results/paper/reference-mha8"  # as the trainer reads it (its cwd is the repository root)

@@ -1,13 +1,13 @@
 """Issue 24's two goals measured with layer-wise reconstruction (refine) before uptraining;
 numbers for results/refine-uptrain.md.
 
-    PYTHONPATH=$PWD python scripts/refine_goals.py reference [--steps 1200]   # goal A
-    PYTHONPATH=$PWD python scripts/refine_goals.py stories --steps 1200 300 --tokens 399360 200704 100352  # goal B
-    PYTHONPATH=$PWD python scripts/refine_goals.py report
+    PYTHONPATH=$PWD python scripts/studies/refine_goals.py reference [--steps 1200]   # goal A
+    PYTHONPATH=$PWD python scripts/studies/refine_goals.py stories --steps 1200 300 --tokens 399360 200704 100352  # goal B
+    PYTHONPATH=$PWD python scripts/studies/refine_goals.py report
 
 reference (goal A): results/paper/reference-mha8 converted with recipe_study's `start_model`
 (fit + calib, 16,384 tokens of runs/paper/data/train.jsonl, which this writes with
-scripts/paper/prepare.py's split of examples/data/paper), refined as scripts/refine_study.py
+scripts/paper/prepare.py's split of examples/data/paper), refined as scripts/studies/refine_study.py
 refines it, saved to runs/recipe/start/kvK-fit-refine, then uptrained and scored by
 recipe_study's `run_cell` (the recipe study's recipe, its 16 validation batches of 16 x 256
 tokens of runs/paper/data/val.jsonl) at alpha 0 and 0.005, with the MHA control and the plain fit
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "studies"))  # recipe_study, refine_study
 sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
 import recipe_study as rs  # noqa: E402

@@ -1,7 +1,7 @@
 """Measure layer-wise reconstruction (`uptrain.convert.math.refine`) at alpha = 0; numbers for results/refine.md.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model stories --kv 2 1 [--json out.json]
-    PYTHONPATH=$PWD .venv/bin/python scripts/refine_study.py --model reference --kv 4 2 1
+    PYTHONPATH=$PWD .venv/bin/python scripts/studies/refine_study.py --model stories --kv 2 1 [--json out.json]
+    PYTHONPATH=$PWD .venv/bin/python scripts/studies/refine_study.py --model reference --kv 4 2 1
     # keep the refined model (a folder like the converter's) for uptraining: one combination -> DIR,
     # several -> DIR/kvK-START-steps..-lr..-batch..-INPUTS
     ... --model stories --kv 2 --starts fit --save runs/stories-kv2-refined
@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))  # shown.py
 sys.path.insert(0, str(REPO / "scripts" / "paper"))
 
 from uptrain.convert import convert  # noqa: E402
@@ -43,7 +44,7 @@ from uptrain.convert.layers.calibrate import Calibration, calibration_sequences,
 from uptrain.convert.math import refine  # noqa: E402
 from uptrain.convert.math.refine import refine_model  # noqa: E402
 from uptrain.measure.eval import evaluate, load_model, tokenize_texts  # noqa: E402
-from shown import shown  # noqa: E402  (scripts/shown.py: paths as results/ names them)
+from shown import shown  # noqa: E402  (scripts/tools/shown.py: paths as results/ names them)
 
 DOCS = 12
 

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from uptrain.train.report.mfu import bf16_peak_tflops, mfu, model_flops_per_token
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo-cpu.yaml"
 TOKENIZER = REPO / "examples" / "stories260K-mha8"  # 512 tokens: the ids fit any vocabulary
 TRAIN_TXT = REPO / "examples" / "data" / "tinystories-train-sample.txt"
@@ -65,16 +65,16 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Comple
 
 
 def make_model(work: Path, shape: dict, kv_heads: int, device: str) -> Path:
-    """Random Llama-shaped MHA model (scripts/make_shaped_model.py) -> `uptrain.convert --kv-heads`,
+    """Random Llama-shaped MHA model (scripts/tools/make_shaped_model.py) -> `uptrain.convert --kv-heads`,
     both through their command-line mains, in this process (two fewer torch start-ups)."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "tools"))
     import make_shaped_model
     from uptrain.convert.__main__ import main as convert
 
     (work / "shape.json").write_text(json.dumps(shape))
     mha, gqa = work / "mha", work / f"gqa{kv_heads}"
     if make_shaped_model.main([str(work / "shape.json"), str(mha), "--dtype", "bfloat16", "--device", device]) != 0:
-        sys.exit("gpu_check: scripts/make_shaped_model.py failed")
+        sys.exit("gpu_check: scripts/tools/make_shaped_model.py failed")
     for name in ("tokenizer.json", "tokenizer_config.json"):  # travels with the source into the converted folder
         shutil.copyfile(TOKENIZER / name, mha / name)
     if convert([str(mha), "--kv-heads", str(kv_heads), "--out", str(gqa), "--force"]) != 0:

@@ -1,6 +1,6 @@
 """Save a randomly initialised causal LM with the shapes of a real config, for size/speed benchmarks.
 
-    python scripts/make_shaped_model.py ../shared/data/configs/llama-2-7b-hf.json OUT_DIR \
+    python scripts/tools/make_shaped_model.py ../shared/data/configs/llama-2-7b-hf.json OUT_DIR \
         [--layers 8] [--kv-heads 8] [--dtype bfloat16] [--device cuda]
 
 Weights are random (the numbers it gives are about memory and speed, never quality); only

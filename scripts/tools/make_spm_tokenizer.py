@@ -1,6 +1,6 @@
 """Write a SentencePiece `tokenizer.model` equivalent to a SentencePiece-style BPE `tokenizer.json`.
 
-    python scripts/make_spm_tokenizer.py examples/stories260K-mha8 [--check FILE...]
+    python scripts/tools/make_spm_tokenizer.py examples/stories260K-mha8 [--check FILE...]
 
 Why: llama.cpp's `convert_hf_to_gguf.py` reads a Llama vocabulary with its scores from
 `tokenizer.model`; given only `tokenizer.json` it writes placeholder scores, and llama.cpp then

@@ -1,6 +1,6 @@
 """Write the bundled offline lm-eval tasks (JSONL) from examples/data/tinystories-valid-sample.txt.
 
-    python scripts/make_tasks.py [--text FILE] [--out uptrain/measure/task_data] [--seed 0]
+    python scripts/tools/make_tasks.py [--text FILE] [--out uptrain/measure/task_data] [--seed 0]
 
 Four tasks over the held-out TinyStories sample (the YAML beside the JSONL says how lm-eval
 scores them; `uptrain/measure/task_data/loader.py` reads the JSONL offline):
@@ -36,7 +36,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from uptrain.data import read_documents  # noqa: E402

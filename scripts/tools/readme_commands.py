@@ -1,6 +1,6 @@
 """Run the command blocks of README.md and the docs/ pages in order, as a new user would type them.
 
-    python scripts/readme_commands.py [--list] [--workdir DIR]
+    python scripts/tools/readme_commands.py [--list] [--workdir DIR]
 
 Every ```bash block of the pages in `CHAINS` runs, top to bottom, one command at a time (comment lines are
 not commands; a trailing backslash continues a line), unless the line before the block is
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b")
 COPIED = ("examples", "configs", "results", "scripts")
 # README.md first, then the reference pages; each chain's pages in the order their commands build on each other
@@ -97,7 +97,7 @@ def run_commands(workdir: Path, python: Path, commands: list[str], label: str = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python scripts/readme_commands.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python scripts/tools/readme_commands.py", description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="print the commands and run nothing")
     p.add_argument("--workdir", type=Path, help="where to run (default: a fresh temporary copy)")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _below(path: str, root: str) -> str | None:

@@ -31,8 +31,8 @@ from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert.layers.calibrate import Calibration, calibration_sequences, read_calibration_texts
 from uptrain.convert.math.refine import attention_modules, call_with, capture, relative_error
 
-sys.path.insert(0, str(REPO / "scripts"))
-from fit_starts import errors as layer_errors, with_mean_keys  # noqa: E402 (scripts/: the measurement's own)
+sys.path.insert(0, str(REPO / "scripts" / "studies"))
+from fit_starts import errors as layer_errors, with_mean_keys  # noqa: E402 (scripts/studies/: the measurement's own)
 
 SHARP = 4.0  # q/k weights x this: attention logits of a few units, not ~0 (keys would not matter)
 CALIB_TOKENS = 4096

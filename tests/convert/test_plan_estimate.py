@@ -1,7 +1,7 @@
 """The plan's `calibration + refinement` row (issue 43, "time a user can plan"): an upper bound on what
 a refining conversion spends calibrating and refining, measured while planning
 (`uptrain/convert/layers/time_estimate.py`; the bound measured idle and under load:
-results/plan-estimate.md, scripts/plan_estimate_check.py)."""
+results/plan-estimate.md, scripts/bench/plan_estimate_check.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/deploy_transformers.py: a converted GQA folder in transformers' static cache, torch.export and ONNX.
+"""scripts/deploy/deploy_transformers.py: a converted GQA folder in transformers' static cache, torch.export and ONNX.
 
 docs/deploy.md's check block runs as typed (stories260K converted to 2 K/V heads, then the script):
 each check ran the real runtime and compared with transformers' own greedy decode; here its JSON and
@@ -18,7 +18,8 @@ import torch
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "deploy"))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))
 import deploy_transformers as deploy  # noqa: E402
 import readme_commands  # noqa: E402
 

@@ -178,7 +178,7 @@ def test_task_plot_draws_accuracies_only(tmp_path: Path) -> None:
 def test_bundled_task_files_are_what_the_script_writes(tmp_path: Path) -> None:
     """The shipped files are the script's output, and the script writes the same bytes every time."""
     for run in ("a", "b"):
-        subprocess.run([sys.executable, str(ROOT / "scripts/make_tasks.py"), "--out", str(tmp_path / run)],
+        subprocess.run([sys.executable, str(ROOT / "scripts/tools/make_tasks.py"), "--out", str(tmp_path / run)],
                        check=True, capture_output=True, env=os.environ | {"PYTHONPATH": str(ROOT)}, timeout=300)
     for name in ("stories_ppl.jsonl", "stories_cloze.jsonl", "stories_ending.jsonl", "stories_name.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
