@@ -60,17 +60,18 @@ def test_a_folder_the_sweep_did_not_write_is_refused_and_kept(tmp_path, capsys):
     out = tmp_path / "sweep"
     (out / "kv4").mkdir(parents=True)
     (out / "kv4" / "IMPORTANT.txt").write_text("mine")
-    assert main([str(EXAMPLE_MHA8), *ARGS, "--out", str(out)]) == 2
+    assert main([str(EXAMPLE_MHA8), *ARGS, "--out", str(out)]) == 2  # a folder no sweep made: refused whole
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "kv4 exists and was not written by this sweep" in err, err
+    assert err.count("\n") == 1 and "is not a sweep's folder" in err, err
     assert [p.name for p in (out / "kv4").iterdir()] == ["IMPORTANT.txt"] and not (out / "sweep.json").exists()
     # a folder of the sweep's own (its mark) is replaced when its record no longer matches
     shutil.rmtree(out / "kv4")
     assert main([str(EXAMPLE_MHA8), *ARGS, "--out", str(out)]) == 0
     assert (out / "kv4" / MARK).is_file()
-    (out / "kv4" / MARK).write_text("another sweep\n")
+    (out / "kv4" / MARK).write_text("another sweep\n")  # in the sweep's own folder, a count's folder it did not write
     assert main([str(EXAMPLE_MHA8), *ARGS, "--out", str(out)]) == 2
     assert "kv4 exists and was not written by this sweep" in capsys.readouterr().err
+    assert (out / "kv4" / MARK).read_text() == "another sweep\n"
 
 
 def test_a_record_of_another_kind_is_refused(tmp_path, capsys):
@@ -92,3 +93,13 @@ def test_a_rerun_with_another_batch_shows_the_kv_of_that_batch_for_every_row(tmp
     for p in points.values():  # float32: 2 x 5 layers x kv x 8 head dims x 4 bytes per token, x 512 x 8
         assert p["kv_bytes_at_context"] == 2 * 5 * p["kv_heads"] * 8 * 4 * 512 * 8 and p["settings"]["batch"] == 8
     assert "KV at 512 tokens x 8" in printed and "10.0 MiB" in printed and "5.0 MiB" in printed
+
+
+def test_the_record_holds_the_code_not_only_the_version(tmp_path):
+    """A sweep's numbers depend on the code that made them: the record's "uptrain" is the package's
+    code fingerprint (which tests/convert/test_convert_resume.py shows changes with one line)."""
+    import uptrain
+    from uptrain.sweep.record import SweepFolder
+
+    prints = SweepFolder(tmp_path / "sweep").fingerprints(EXAMPLE_MHA8, VALID_TXT, None)
+    assert prints["uptrain"] == uptrain.code_fingerprint() != uptrain.__version__

@@ -4,6 +4,26 @@ import os as _os
 
 __version__ = "0.1.0"
 
+
+def code_fingerprint() -> str:
+    """A hash of this package's code (every .py file under it, by content): what a kept result
+    (a conversion's kept layers, a sweep's numbers) was made by. `__version__` changes only at a
+    release; a checkout's code changes with every edit."""
+    global _code
+    if _code is None:
+        import hashlib
+        from pathlib import Path
+
+        root = Path(__file__).parent
+        digest = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        _code = digest.hexdigest()[:16]
+    return _code
+
+
+_code: str | None = None
+
 # One progress bar per long step, ours: the libraries' own bars (weights loading, shard writing,
 # dataset maps, downloads) are off unless the user asks for them by setting these to 0.
 for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):

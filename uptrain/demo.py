@@ -23,13 +23,14 @@ from __future__ import annotations
 
 AS_IT_WAS = ("the folder being written was removed; --out keeps the steps finished before (the next demo into "
              "it replaces it whole)")
-if __name__ == "__main__":  # first act: Ctrl-C / SIGTERM during the imports below end the demo cleanly too
+from uptrain.stopping import is_command
+
+if is_command(__name__, "uptrain-demo"):  # first act: Ctrl-C / SIGTERM during the imports below end the demo cleanly too
     from uptrain.stopping import at_once
 
     at_once.install("uptrain.demo", AS_IT_WAS)
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -108,7 +109,7 @@ def source_model(model: str, kv_heads: int | None) -> tuple[Path, int, int, int]
 def split_documents_of(data: Path) -> list[str]:
     """--data's documents, read as the trainer reads them; UsageError when there are too few to hold
     out any (checked before the demo writes anything)."""
-    texts = read_documents(DataSource(files=[str(data)]))
+    texts = read_documents(DataSource(files=[str(data)]), field_option=None)
     if len(texts) < 2:
         raise UsageError(f"--data {data} holds {len(texts)} document; the demo holds out the last tenth for "
                          "scoring: give more documents (a blank line between them in .txt) or --valid FILE")
@@ -169,12 +170,19 @@ def _parser() -> ArgParser:
     return p
 
 
-@exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
     """The demo (`argv` None: this process's arguments, with the stop handling of `uptrain.stopping.at_once`:
-    a stop at any point ends it with one line and exit 130 / 143; a list: as a function, for tests)."""
-    if argv is None:
-        at_once.install("uptrain.demo", AS_IT_WAS)  # (again for the console script: no-op under -m)
+    a stop at any point ends it with one line and exit 130 / 143, and its exit; a list: as a function,
+    for tests)."""
+    if argv is not None:
+        return _demo(argv)
+    at_once.install("uptrain.demo", AS_IT_WAS)  # (installed at the import already: -m or the console script)
+    at_once.finish(_demo(None))
+    return 0  # not reached
+
+
+@exit_on_usage_error
+def _demo(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     threads = start_threads(args.threads).threads
     bundled = EXAMPLES / "stories260K-mha8"
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     elif own_texts is not None:
         train_text, held_out = write_split(own_texts, args.out)
         valid_path = args.valid or held_out
-    valid = read_documents(DataSource(files=[str(valid_path)]), args.stories)
+    valid = read_documents(DataSource(files=[str(valid_path)]), args.stories, field_option=None)
     if args.model is None and not args.skip_uptrain and not args.overrides:
         print("expected: about 1-2 minutes after set-up on an idle 2-core machine (README), 2-4x that on a busy one",
               flush=True)
@@ -336,6 +344,9 @@ def prepare_out(out: Path) -> None:
     files would mix with the new ones); any other non-empty folder is refused in one line."""
     import shutil
 
+    from uptrain.convert.io.output_dir import check_writable
+
+    check_writable(out, "--out")
     if out.exists() and any(out.iterdir()):
         if not (out / DEMO_MARK).is_file():
             raise UsageError(f"--out {out} is a non-empty folder the demo did not make; give another --out "
@@ -346,4 +357,4 @@ def prepare_out(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,4 +167,62 @@ def test_the_key_changes_with_every_input_of_the_layers(tmp_path):
     changed.append(conversion_key(source, [weights], settings, calib))
     calib.write_text("other text")
     changed.append(conversion_key(source, [weights], settings, calib))
+    (source / "tokenizer.json").write_text("{}")  # every file of the source: the calibration reads the tokenizer
+    changed.append(conversion_key(source, [weights], settings, calib))
+    (source / "tokenizer.json").write_text('{"model": 1}')
+    changed.append(conversion_key(source, [weights], settings, calib))
     assert len({key, *changed}) == 1 + len(changed)
+
+
+def test_the_key_changes_with_the_code(tmp_path):
+    """Before: the key held `__version__` (0.1.0 for every checkout): layers kept by other code were
+    taken as made. A copy of the package, one line of its fit changed, gives another key."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    (source / "model.safetensors").write_bytes(b"x" * 10)
+    shutil.copytree(REPO / "uptrain", tmp_path / "pkg" / "uptrain", ignore=shutil.ignore_patterns("__pycache__"))
+    script = ("import sys; from pathlib import Path; from uptrain.convert.io.kept_layers import conversion_key; "
+              f"print(conversion_key(Path({str(source)!r}), [Path({str(source / 'model.safetensors')!r})], {{}}, None))")
+
+    def key() -> str:
+        env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
+        return subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    same = key()
+    assert same == conversion_key(source, [source / "model.safetensors"], {}, None)  # the same code, the same key
+    with open(tmp_path / "pkg" / "uptrain" / "convert" / "math" / "fit.py", "a") as f:
+        f.write("\n# another fit\n")
+    assert key() != same
+
+
+def test_every_calibration_and_refinement_setting_is_in_the_key():
+    """Each field of Calibration and RefineSettings, changed alone, changes the settings the key
+    hashes, except those named as not changing a layer (a new field counts until it is named)."""
+    import copy
+    import dataclasses
+
+    from uptrain.convert.layers.calibrate import Calibration
+    from uptrain.convert.layers.refine_layer import RefineSettings
+    from uptrain.convert.pipeline import NOT_LAYER_SETTINGS, layer_settings
+
+    calib, refine = Calibration(path=TRAIN_TXT, tokens=1024), RefineSettings()
+    base = layer_settings(2, "fit", "similar", 0, None, None, calib, refine)
+    other = {int: lambda v: v + 1, float: lambda v: v * 2, str: lambda v: v + "x", type(None): lambda v: 123}
+    checked = []
+    for obj, name in [(calib, "calibration"), (refine, "refine")]:
+        for f in dataclasses.fields(obj):
+            if not f.compare or f.name.startswith("_") or f.name in NOT_LAYER_SETTINGS and name == "calibration":
+                continue
+            value = getattr(obj, f.name)
+            changed = copy.copy(obj)  # (not replace(): the new values need not be valid, only other)
+            setattr(changed, f.name, other[type(value)](value))
+            pair = (changed, refine) if name == "calibration" else (calib, changed)
+            assert layer_settings(2, "fit", "similar", 0, None, None, *pair) != base, f.name
+            checked.append(f.name)
+    assert {"tokens", "device", "text_unit", "activation_limit", "steps", "lr", "inputs", "seed"} <= set(checked)
+    for change in [(1, "fit", "similar", 0, None, None), (2, "mean", "similar", 0, None, None),
+                   (2, "fit", "contiguous", 0, None, None), (2, "fit", "similar", 1, None, None),
+                   (2, "fit", "similar", 0, "v2", None), (2, "fit", "similar", 0, None, torch.bfloat16)]:
+        assert layer_settings(*change, calib, refine) != base, change

@@ -96,3 +96,23 @@ def test_train_refuses_bad_data_in_one_line(tmp_path, capsys, streaming, case):
     assert train_main([str(DEMO), *tiny_overrides(run_dir, **overrides)]) == 2
     _one_line(capsys.readouterr().err, path)
     assert not run_dir.exists()
+
+
+def test_a_record_without_the_text_field_names_the_option_of_the_command_that_read_it(tmp_path, capsys):
+    """Before: `uptrain.convert --calib docs.jsonl` said "set text_field", an option it does not have."""
+    need_models()
+    from uptrain.convert.__main__ import main as convert_main
+
+    path = _jsonl_without_text(tmp_path)
+    said = {}
+    assert eval_main([str(EXAMPLE_MHA8), "--data", str(path), "--max-length", "64"]) == 2
+    said["eval"] = _one_line(capsys.readouterr().err, path)
+    assert train_main([str(DEMO), *tiny_overrides(tmp_path / "run", **{"data.train.files": f"[{path}]"})]) == 2
+    said["train"] = _one_line(capsys.readouterr().err, path)
+    assert convert_main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(path),
+                         "--out", str(tmp_path / "out")]) == 2
+    said["convert"] = capsys.readouterr().err
+    assert "set --text-field to the field" in said["eval"], said
+    assert "set data.train.text_field to the field" in said["train"], said
+    assert "text_field" not in said["convert"] and "reads the 'text' field only" in said["convert"], said
+    assert not (tmp_path / "out").exists()

@@ -20,7 +20,9 @@ the checkpoint's own K/V head count is refused (exit 2): nothing would change, -
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first act: a signal during the imports below ends the run cleanly too
+from uptrain.stopping import is_command
+
+if is_command(__name__, "uptrain-convert"):  # first act: a signal during the imports below ends the run cleanly too
     from uptrain.stopping import at_once
 
     at_once.install()
@@ -96,7 +98,7 @@ def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], m
     """Copy `kept` into the output while a worker imports torch and transformers, plans, prints
     the plan and builds the rest; returns the plan."""
     check_output_path(args.out, Path(args.checkpoint).expanduser(), args.force)
-    with atomic_output_dir(args.out) as tmp:
+    with atomic_output_dir(args.out, replace=args.force) as tmp:
         writer = ShardWriter(tmp, kept, max_shard, stem="kept")
 
         def job(cancel: threading.Event) -> Any:
@@ -227,7 +229,7 @@ def _plan_then_convert(args: argparse.Namespace, max_shard: int, phases: Phases)
     if args.dry_run:
         return None
     announce_threads(stdout=True)  # beside the plan (a dry run builds nothing: no line)
-    write_converted(source, plan, outputs, new_config, args.out, max_shard, phases)
+    write_converted(source, plan, outputs, new_config, args.out, max_shard, phases, replace=args.force)
     return plan
 
 

@@ -8,6 +8,7 @@ pooled ones; the kept tensors fill the first shards, the built ones the last.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -138,17 +139,36 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     return source, plan, outputs, new_config
 
 
+# Calibration fields that do not change a layer's tensors: the file (keyed by its facts), what the
+# record says, how many users share the stream, what each keeps (follows refine.inputs); and the
+# stream's own state (fields named _*).
+NOT_LAYER_SETTINGS = {"path", "record", "users", "keep"}
+
+
+def layer_settings(kv_heads: int, method: str, grouping: str, seed: int, revision: str | None,
+                   dtype: torch.dtype | None, calibration: Calibration | None,
+                   refine: RefineSettings | None) -> dict[str, Any]:
+    """Every setting a layer-at-a-time conversion's layers depend on, for the kept layers' key: every
+    field of the calibration and the refinement but those that cannot change a layer (a new field
+    counts until it is named in NOT_LAYER_SETTINGS or has compare=False)."""
+    def fields_of(obj: Any, skip: set[str]) -> dict[str, Any] | None:
+        if obj is None:
+            return None
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                if f.compare and f.name not in skip and not f.name.startswith("_")}
+    return {"kv_heads": kv_heads, "method": method, "grouping": grouping, "seed": seed, "revision": revision,
+            "dtype": str(dtype), "calibration": fields_of(calibration, NOT_LAYER_SETTINGS),
+            "refine": fields_of(refine, set())}
+
+
 def keep_layers(out: Path, source: SourceCheckpoint, plan: ConversionPlan, kv_heads: int, seed: int,
                 revision: str | None, dtype: torch.dtype | None, calibration: Calibration | None,
                 refine: RefineSettings | None) -> KeptLayers:
     """Where this layer-at-a-time conversion keeps its finished layers (`io/kept_layers.py`), with the
     plan's notes on what an interrupted run with the same arguments, or with others, left there."""
-    c = calibration
-    settings = {"kv_heads": kv_heads, "method": plan.method, "grouping": plan.grouping, "seed": seed,
-                "revision": revision, "dtype": str(dtype), "calibration": c and [c.tokens, c.text_unit, c.device],
-                "refine": refine and [refine.steps, refine.lr, refine.inputs, refine.seed]}
+    settings = layer_settings(kv_heads, plan.method, plan.grouping, seed, revision, dtype, calibration, refine)
     kept = KeptLayers.beside(out, conversion_key(source.path, (i.file for i in source.tensors), settings,
-                                          c.path if c is not None else None))
+                                          calibration.path if calibration is not None else None))
     found = kept.indices()
     plan.kept_layers = {"folder": str(kept.folder), "found": found}
     if found:
@@ -318,8 +338,10 @@ def finish_folder(tmp: Path, planned: Planned, writers: list[ShardWriter], phase
 
 
 def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: list[OutputTensor],
-                    new_config: dict, out: Path, max_shard_bytes: int, phases: Phases | None = None) -> None:
-    """Stream the outputs into `out` (all or nothing) with config, tokenizer files, card and record.
+                    new_config: dict, out: Path, max_shard_bytes: int, phases: Phases | None = None,
+                    replace: bool = True) -> None:
+    """Stream the outputs into `out` (all or nothing) with config, tokenizer files, card and record
+    (replace: an `out` that appeared meanwhile may be replaced, `atomic_output_dir`).
 
     Phase times (seconds; `phases`, started by the caller, or here) go into `plan.timing_s` and
     the record: copy (unchanged tensors, byte ranges moved by the kernel), wait for build (the
@@ -333,7 +355,7 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
     planned = Planned(source, plan, outputs, new_config)
     kept = KeptLayers(plan.kept_layers["folder"]) if plan.kept_layers else None
     at_once.leaving(kept.describe if kept is not None else None)  # a stop says what a rerun continues from
-    with atomic_output_dir(out) as tmp:
+    with atomic_output_dir(out, replace) as tmp:
         finish_folder(tmp, planned, write_tensors(tmp, planned, max_shard_bytes, phases), phases)
     at_once.leaving(None)
     if kept is not None:  # the output is in place: its layers need not be kept any longer
@@ -350,5 +372,5 @@ def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, 
     source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand,
                                                 grouping, calibration, refine=refine, out=out)
     check_output_path(out, source.path, force)
-    write_converted(source, plan, outputs, new_config, out, max_shard, phases)
+    write_converted(source, plan, outputs, new_config, out, max_shard, phases, replace=force)
     return plan

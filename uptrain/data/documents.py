@@ -24,22 +24,32 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 20  # bytes read at a time when looking for what makes a file unreadable
 
 
-def documents(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
+def documents(source: DataSource, field_option: str | None = "text_field") -> datasets.Dataset | datasets.IterableDataset:
     """The documents of `source`: a dataset with one column, "text", empty documents dropped.
 
     Whole (a `datasets.Dataset`, cached on disk) or, with `source.streaming`, lazy (an
-    `IterableDataset`). UsageError when the source is unusable or holds no text.
+    `IterableDataset`). UsageError when the source is unusable or holds no text. field_option:
+    how the command that reads it names `text_field` in its errors (the trainer's config key,
+    eval's `--text-field`; None: the command has none and reads "text" only).
     """
     source.validate()
     if source.files:
-        return _file_documents(source)
-    return _hub_documents(source)
+        return _file_documents(source, field_option)
+    return _hub_documents(source, field_option)
 
 
-def read_documents(source: DataSource, max_documents: int | None = None) -> list[str]:
-    """The first `max_documents` (default all) documents of `source` as strings."""
+def _set_the_field(field_option: str | None, field: str) -> str:
+    """How to point the command that failed at the field that holds the text."""
+    if field_option is None:
+        return f"this command reads the {field!r} field only: name the field so, or give a .txt file"
+    return f"set {field_option} to the field that holds the text"
+
+
+def read_documents(source: DataSource, max_documents: int | None = None,
+                   field_option: str | None = "text_field") -> list[str]:
+    """The first `max_documents` (default all) documents of `source` as strings (field_option: `documents`)."""
     texts: list[str] = []
-    for row in documents(source):
+    for row in documents(source, field_option):
         if max_documents is not None and len(texts) >= max_documents:
             break
         texts.append(row["text"])
@@ -63,7 +73,7 @@ def split_documents(
 # ---------------------------------------------------------------- local files
 
 
-def _file_documents(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
+def _file_documents(source: DataSource, field_option: str | None) -> datasets.Dataset | datasets.IterableDataset:
     import datasets  # here, not at the top: the config imports this package and --help needs no datasets
 
     builder = FILE_TYPES[Path(source.files[0]).suffix.lower()]
@@ -75,10 +85,10 @@ def _file_documents(source: DataSource) -> datasets.Dataset | datasets.IterableD
             # Runs of 3+ newlines and a file's last newline are left on the edges of a paragraph or
             # file: they separate documents, they are not part of one.
             ds = ds.map(_strip_newlines)
-        ds = _text_column(ds, source)
+        ds = _text_column(ds, source, field_option)
         # A record without the field reads as null: say so, do not drop it. (A filter writes only
         # an index, no copy of the text.)
-        ds = ds.filter(_has_text_or_fail(_names(source.files), source.text_field), with_indices=True)
+        ds = ds.filter(_has_text_or_fail(_names(source.files), source.text_field, field_option), with_indices=True)
         first = next(iter(ds), None)  # a stream reads its first documents only
     if first is None:
         names = _names(source.files)
@@ -96,12 +106,12 @@ def _has_text(row: dict[str, str]) -> bool:
     return bool(row["text"] and row["text"].strip())
 
 
-def _has_text_or_fail(names: str, field: str):
+def _has_text_or_fail(names: str, field: str, field_option: str | None):
     """`_has_text` as a filter of rows with indices, raising UsageError on a record without the field."""
     def keep(row: dict[str, str | None], index: int) -> bool:
         if row["text"] is None:
             raise UsageError(f"{names}: record {index + 1} has no {field!r} field; give every record "
-                             f"a {field!r} string (or set text_field to the field that holds the text)")
+                             f"a {field!r} string ({_set_the_field(field_option, field)})")
         return _has_text(row)
     return keep
 
@@ -190,7 +200,7 @@ def file_problem(path: Path, builder: str) -> str | None:
 # ---------------------------------------------------------------- Hub datasets
 
 
-def _hub_documents(source: DataSource) -> datasets.Dataset | datasets.IterableDataset:
+def _hub_documents(source: DataSource, field_option: str | None) -> datasets.Dataset | datasets.IterableDataset:
     import datasets
 
     check_hub_reachable(source.dataset)
@@ -201,19 +211,20 @@ def _hub_documents(source: DataSource) -> datasets.Dataset | datasets.IterableDa
             f"cannot load dataset {source.dataset!r} (split {source.split!r}): "
             f"{str(err).splitlines()[0]}; check the name or use local files"
         ) from err
-    ds = _text_column(ds, source)
+    ds = _text_column(ds, source, field_option)
     ds = ds.filter(_has_text)
     if not source.streaming and len(ds) == 0:
         raise UsageError(f"dataset {source.dataset!r} (split {source.split!r}) holds no text in its "
-                         f"{source.text_field!r} column; check text_field")
+                         f"{source.text_field!r} column; {_set_the_field(field_option, source.text_field)}")
     return ds
 
 
-def _text_column(ds, source: DataSource):
+def _text_column(ds, source: DataSource, field_option: str | None):
     """`ds` with only the text column, named "text"."""
     columns = ds.column_names  # None for some streaming Hub datasets: checked when read
     if columns is not None and source.text_field not in columns:
-        raise UsageError(f"data has no {source.text_field!r} column (columns: {columns}); set text_field")
+        raise UsageError(f"data has no {source.text_field!r} column (columns: {columns}); "
+                         f"{_set_the_field(field_option, source.text_field)}")
     ds = ds.select_columns([source.text_field])
     if source.text_field != "text":
         ds = ds.rename_column(source.text_field, "text")

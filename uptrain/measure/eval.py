@@ -130,7 +130,7 @@ def read_cli_documents(args: argparse.Namespace) -> list[str]:
     from uptrain.data import read_documents
 
     try:
-        return read_documents(source_from_args(args), args.max_documents)
+        return read_documents(source_from_args(args), args.max_documents, field_option="--text-field")
     except UsageError as err:
         raise UsageError(str(err).replace("local files (data.train.files / data.val.files)",
                                           "local files (--data FILE...)")) from None

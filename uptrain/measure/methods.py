@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for f in args.eval_data:
         if not f.is_file():
             raise UsageError(f"--eval-data file {f} does not exist")
-    texts = read_documents(DataSource(files=[str(f) for f in args.eval_data]), args.max_documents)
+    texts = read_documents(DataSource(files=[str(f) for f in args.eval_data]), args.max_documents, field_option=None)
     announce_threads()
     source, rows = compare_methods(args.checkpoint, args.kv_heads, texts, args.max_length, args.stride,
                                    args.calib, args.calib_tokens, args.device)

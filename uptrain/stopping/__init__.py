@@ -17,4 +17,18 @@ and the rest import: a scheduler may stop a job at any moment):
 behaviour by its work: nothing to save -> `at_once.install(...)` first thing; a checkpoint to write
 -> `safe_point.install()` first thing, then the trainer's handling. A new behaviour is a new module
 here, with its exit codes and its second-signal rule in `codes.py`.
+
+"First thing" holds for both ways a command starts: `python -m uptrain.X` runs the module as
+`__main__`; a console script (`uptrain-X`, pyproject's [project.scripts]) imports it under its own
+name and then calls its main(). `is_command(__name__, "uptrain-X")` is true for both.
 """
+
+import os as _os
+import sys as _sys
+
+
+def is_command(module_name: str, console_script: str) -> bool:
+    """Whether this process is the command: the module runs as `__main__` (`python -m`), or the
+    process was started as `console_script` (which imports the module, then calls its main())."""
+    started_as = _os.path.basename(_sys.argv[0]) if _sys.argv else ""
+    return module_name == "__main__" or started_as == console_script

@@ -156,7 +156,11 @@ def end_if_pending() -> None:
 
 def finish(code: int) -> None:
     """End the CLI with `code` (after a signal that came while the folder was put in place: at
-    once, `os._exit`, streams flushed)."""
+    once, `os._exit`, streams flushed). The code is decided: stop signals are ignored from now on
+    (`codes.py`), so a Ctrl-C while Python shuts down does not turn a finished run into exit 130."""
+    if _state["installed"] and threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     if pending():
         sys.stdout.flush()
         sys.stderr.flush()

@@ -12,7 +12,8 @@ Exit codes:
 A second signal:
   end at once (`at_once.py`): every signal, first or second, ends the process; inside a
       `shielded()` block signals are only recorded (a SIGTERM is the one named over a SIGINT) and
-      the process ends after the block.
+      the process ends after the block; once the command's exit code is decided (`finish`),
+      signals are ignored.
   record, then stop at a safe point (`safe_point.py`): once the stop is raised, later signals are
       only recorded (launchers deliver one stop twice: srun and torchrun both forward it), and
       ignored once the exit code is decided (`ignore()`).

@@ -1,6 +1,6 @@
 """What a sweep's numbers depend on, recorded beside them: a rerun keeps only what is provably the same.
 
-`OUT/sweep.json` holds, besides the points, the sweep's record: its id, the uptrain version, and
+`OUT/sweep.json` holds, besides the points, the sweep's record: its id, uptrain's code (`uptrain.code_fingerprint`), and
 content fingerprints (SHA-256) of the checkpoint folder, the held-out text and the calibration
 text, never their paths alone (another checkpoint at the same path is another checkpoint). Each
 point's settings hold what its numbers were made from (`conversion`: checkpoint, options, texts;
@@ -21,7 +21,7 @@ import os
 import uuid
 from pathlib import Path
 
-from uptrain import __version__
+from uptrain import __version__, code_fingerprint
 from uptrain.errors import UsageError
 
 MARK = ".uptrain-sweep"  # in every folder a sweep wrote: that sweep's id
@@ -88,6 +88,12 @@ class SweepFolder:
         elif (out / "sweep.png").exists():
             raise UsageError(f"{out} holds a sweep.png but no {RECORDS}: not a sweep folder this sweep can "
                              f"continue; choose another --out")
+        elif out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):
+            # (hidden entries: what a stopped first run of this sweep keeps, finished layers, partial folders)
+            raise UsageError(f"--out {out} already exists and is not a sweep's folder (no {RECORDS}); the sweep "
+                             f"writes only into a new folder or its own: choose another --out")
+        elif out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file; choose a folder path")
 
     def owns(self, folder: Path) -> bool:
         """Whether `folder` is one this sweep wrote (its mark holds our id)."""
@@ -110,7 +116,7 @@ class SweepFolder:
         (folder / MARK).write_text(self.id + "\n")
 
     def fingerprints(self, checkpoint: Path, data: Path, calib: Path | None) -> dict[str, str | None]:
-        return {"uptrain": __version__, "checkpoint": folder_fingerprint(checkpoint, self.digests),
+        return {"uptrain": code_fingerprint(), "checkpoint": folder_fingerprint(checkpoint, self.digests),
                 "data": text_fingerprint(data, self.digests), "calib": text_fingerprint(calib, self.digests)}
 
     def write(self, points: list[dict]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
+from uptrain.convert.io.output_dir import check_writable
 from uptrain.convert.options import ConversionOptions, add_conversion_args, conversion_options
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.sweep import AS_IT_WAS
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         at_once.install("uptrain.sweep", AS_IT_WAS)
     args = _parser().parse_args(argv)
     options = _check_args(args)
-    sweep = SweepFolder(args.out)  # refuses a folder this version did not write
+    check_writable(args.out, "--out")
+    sweep = SweepFolder(args.out)  # refuses a folder this version did not write, or no sweep wrote
     from uptrain.convert.io.hfconfig import model_shape, source_family  # torch and transformers: seconds
     from uptrain.convert.io.source import read_config, resolve_source
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from uptrain.data import DataSource, read_documents
     from uptrain.measure.eval import model_windows
 
-    texts = read_documents(DataSource(files=[str(args.data)]), args.stories)
+    texts = read_documents(DataSource(files=[str(args.data)]), args.stories, field_option=None)
     if not texts:
         raise UsageError(f"--data {args.data} holds no held-out text to score on")
     max_length, stride = model_windows([str(folder)])

@@ -16,7 +16,9 @@ import sys
 
 # First act of `python -m uptrain.train` and of the `uptrain-train` command (which imports this
 # module, then calls main), before the imports below (seconds: torch & co.): a stop meanwhile is kept.
-if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "uptrain-train":
+from uptrain.stopping import is_command  # stdlib only
+
+if is_command(__name__, "uptrain-train"):
     from uptrain.stopping import safe_point as _early
 
     _early.install("imports")

@@ -103,11 +103,11 @@ def build_data(
     """
     d = config.data
     with caches_filled_in_turn(accelerator):
-        train_docs = documents(d.train)
+        train_docs = documents(d.train, "data.train.text_field")
         if d.val is None:  # hold out whole documents of the train source (validated: not streaming)
             train_docs, val_docs = split_documents(train_docs, d.val_fraction, config.seed)
         else:
-            val_docs = documents(d.val)
+            val_docs = documents(d.val, "data.val.text_field")
         train = token_blocks(train_docs, tokenizer, d.seq_len, d.num_proc)
         val = token_blocks(val_docs, tokenizer, d.seq_len, d.num_proc)
         if d.val is not None and d.val.streaming:

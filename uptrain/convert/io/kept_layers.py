@@ -8,9 +8,11 @@ output DIR: under a temporary name, fsynced, then renamed, so a file there is al
 layer. The folder is made with the first layer and removed once DIR is in place.
 
 KEY (`conversion_key`) is a hash of everything a layer's tensors depend on: the source's config
-and weight files (names, sizes, modification times), the K/V count, method, grouping, seed, output
-dtype, the calibration text (path, size, modification time), its tokens, text unit and device,
-the refinement's settings, and the versions of uptrain, torch and transformers. A rerun with the
+and every file of the source folder and its weight files (names, sizes, modification times: the
+tokenizer's too, which the calibration reads), the K/V count, method, grouping, seed, output
+dtype, the calibration text (path, size, modification time), every calibration and refinement
+setting (`pipeline.layer_settings`), uptrain's code (`uptrain.code_fingerprint`, a hash of its
+files) and the versions of torch and transformers. A rerun with the
 same arguments finds the folder and takes its layers as they are (the calibration stream still
 runs through them: later layers need its statistics and activations); other arguments give
 another KEY, and the plan names the folder they left.
@@ -54,14 +56,16 @@ def conversion_key(source_dir: Path, weight_files: Iterable[Path], settings: dic
     dtype, calibration tokens/unit/device, refinement settings), JSON-serialisable values."""
     import transformers
 
-    from uptrain import __version__
+    from uptrain import code_fingerprint
 
+    source_files = [p for p in Path(source_dir).iterdir() if p.is_file() and not p.name.startswith(".")]
     parts = {
         "config": (Path(source_dir) / "config.json").read_text(encoding="utf-8"),
+        "files": sorted(_file_facts(p) for p in source_files),
         "weights": sorted(_file_facts(Path(f)) for f in set(weight_files)),
         "calib": _file_facts(Path(calib_file)) if calib_file is not None else None,
         "settings": settings,
-        "versions": [__version__, torch.__version__, transformers.__version__],
+        "versions": [code_fingerprint(), torch.__version__, transformers.__version__],
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

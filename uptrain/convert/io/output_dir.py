@@ -16,6 +16,7 @@ import glob
 import os
 import shutil
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +42,25 @@ def check_output_path(out: Path, source: Path, force: bool) -> None:
         raise UsageError(f"output {out} already exists; pass --force to replace it or choose another folder")
     if out.exists() and not out.is_dir():
         raise UsageError(f"output {out} is a file; choose a folder path")
+    check_writable(out, "output")
+
+
+def check_writable(out: Path, what: str = "--out") -> None:
+    """Refuse, before any work, an output folder that cannot be written: a read-only file system, a
+    folder without write permission, a file where a parent folder must be. What is written beside
+    `out` (the temporary folder) and the parents that would be made go into the nearest existing
+    folder above it: a hidden folder is made and removed there (and inside `out`, when it is an
+    existing folder that is written into: the sweep's, a run folder)."""
+    out = Path(os.path.abspath(out))
+    place = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p == p.parent)
+    if not place.is_dir():
+        raise UsageError(f"{what} {out}: {place} is a file, not a folder; choose another path")
+    for folder in (place, out) if out.is_dir() else (place,):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".uptrain-write-check-", dir=folder))
+        except OSError as err:
+            raise UsageError(f"{what} {out}: cannot write in {folder} ({err.strerror}); choose a folder you "
+                             f"can write to") from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -156,8 +176,12 @@ def sync_tree(folder: Path) -> None:
 
 
 @contextmanager
-def atomic_output_dir(out: Path) -> Iterator[Path]:
+def atomic_output_dir(out: Path, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; it becomes `out` only if the block completes.
+
+    replace: an `out` that exists when the folder is put in place may be replaced (the trainer's
+    final model; --force). Without it, an `out` that appeared meanwhile (another conversion into the
+    same folder finished first) is refused: UsageError, nothing written, that folder kept.
 
     On any error (disk full, a bad tensor, Ctrl-C) the temporary folder is removed and `out` is
     untouched. Every file and the folder are fsynced before the folder is put in place, and the
@@ -183,6 +207,10 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
         yield tmp
         sync_tree(tmp)
         at_once.pause("rename")
+        if not replace and (out.exists() or out.is_symlink()):
+            raise UsageError(f"output {out} appeared while this run wrote it (another run into the same folder "
+                             f"finished first); nothing was written and it is kept: choose another folder, "
+                             f"or pass --force to replace it")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         at_once.unregister(tmp)

@@ -56,7 +56,7 @@ def read_calibration_texts(path: Path, text_unit: str = DataSource.text_unit) ->
     if not path.exists():
         raise UsageError(f"--calib file {path} does not exist; pass a text file (.txt, .jsonl, .json or .parquet)")
     try:
-        return read_documents(DataSource(files=[str(path)], text_unit=text_unit))
+        return read_documents(DataSource(files=[str(path)], text_unit=text_unit), field_option=None)
     except UsageError as err:
         raise UsageError(f"--calib: {err}") from None
 

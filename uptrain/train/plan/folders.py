@@ -37,6 +37,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from uptrain.convert.io.output_dir import check_writable
 from uptrain.convert.io.hfconfig import model_shape
 from uptrain.convert.io.source import open_checkpoint, resolve_source
 from uptrain.convert.registry.architectures import supported_model_types
@@ -118,6 +119,7 @@ def check_run_dir(run_dir: Path, config_dict: dict, resume: str | None, overwrit
     Raises UsageError when the folder holds another run's state (unless `overwrite`), or when
     `resume` names nothing usable.
     """
+    check_writable(run_dir, "run_dir")
     run_file = run_dir / RUN_FILE
     has_state = any((run_dir / name).exists() for name in RUN_OUTPUTS)
     if resume and overwrite:

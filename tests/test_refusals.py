@@ -1,0 +1,121 @@
+"""Outputs that cannot be written are refused up front, in one line, exit 2, in every command that
+writes one (convert, sweep, demo, train), and no two runs silently write one folder.
+
+Before: `--out` on a read-only file system printed the whole plan, worked 12-16 s, then ended in
+`uptrain.convert: OSError: [Errno 30] Read-only file system: '.../.gqa2.partial-...'`, exit 1; a
+sweep into a model folder wrote kv1/, kv2/ and sweep.json into it; two conversions into one --out
+both exited 0, the later silently replacing the earlier."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
+from train_helpers import DEMO, fresh_accelerate_state, need_models, tiny_overrides  # noqa: F401 (autouse fixture)
+
+
+@pytest.fixture
+def read_only_dir():
+    """A real read-only folder: a read-only tmpfs (as root), else a folder without write permission."""
+    folder = Path(tempfile.mkdtemp(prefix="uptrain-ro-"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "none", str(folder)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        folder.chmod(0o555)
+    try:
+        try:
+            (folder / "probe").mkdir()
+            pytest.skip("no read-only folder can be made here (not root, and permissions do not bind this user)")
+        except OSError:
+            pass
+        yield folder
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+        folder.chmod(0o755)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _commands(out: Path, run_dir: Path) -> dict:
+    from uptrain.convert.__main__ import main as convert_main
+    from uptrain.demo import main as demo_main
+    from uptrain.sweep.run import main as sweep_main
+    from uptrain.train.__main__ import main as train_main
+
+    return {
+        "convert": lambda: convert_main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--out", str(out)]),
+        "convert fit": lambda: convert_main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib",
+                                             str(TRAIN_TXT), "--refine", "--out", str(out)]),
+        "sweep": lambda: sweep_main([str(EXAMPLE_MHA8), "--data", str(VALID_TXT), "--kv-heads", "2", "--out", str(out)]),
+        "demo": lambda: demo_main(["--out", str(out), "--tasks", "none", "--threads", "1"]),
+        "train": lambda: train_main([str(DEMO), *tiny_overrides(run_dir)]),
+    }
+
+
+@pytest.mark.parametrize("command", ["convert", "convert fit", "sweep", "demo", "train"])
+def test_an_output_on_a_read_only_file_system_is_refused_up_front(read_only_dir, capsys, command):
+    need_models()
+    run = _commands(read_only_dir / "out" / "gqa2", read_only_dir / "run")[command]
+    assert run() == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "cannot write in" in lines[0] and "choose a folder you can write to" in lines[0], captured.err
+    assert ".partial" not in captured.err and "plan" not in captured.out.lower(), captured.out  # before any work
+
+
+@pytest.mark.parametrize("command", ["convert", "sweep", "demo", "train"])
+def test_an_output_under_a_file_is_refused_up_front(tmp_path, capsys, command):
+    need_models()
+    (tmp_path / "notes.txt").write_text("mine\n")
+    run = _commands(tmp_path / "notes.txt" / "gqa2", tmp_path / "notes.txt" / "run")[command]
+    assert run() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file, not a folder" in err[0], err
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_the_sweep_refuses_a_folder_it_did_not_make_and_continues_its_own(tmp_path, capsys):
+    from uptrain.sweep.run import main as sweep_main
+
+    model = tmp_path / "my-model"
+    shutil.copytree(EXAMPLE_MHA8, model)
+    before = sorted(p.name for p in model.iterdir())
+    argv = [str(EXAMPLE_MHA8), "--data", str(VALID_TXT), "--stories", "2", "--kv-heads", "4", "--threads", "1"]
+    assert sweep_main([*argv, "--out", str(model)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a sweep's folder" in err[0], err
+    assert sorted(p.name for p in model.iterdir()) == before
+    out = tmp_path / "sweep"
+    assert sweep_main([*argv, "--out", str(out)]) == 0
+    assert sweep_main([*argv, "--out", str(out)]) == 0  # its own folder: a rerun continues
+    assert "kept" in capsys.readouterr().out
+
+
+def test_two_conversions_into_one_folder_one_is_refused(tmp_path):
+    """The first is held just before it puts its folder in place while the second runs whole: one
+    of them (whichever comes second to that point) is refused, and the folder is the other's."""
+    out = tmp_path / "gqa2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), "--kv-heads", "2", "--out", str(out)]
+    held = subprocess.Popen(command, cwd=REPO, env={**env, "UPTRAIN_TEST_PAUSE_AT": "rename:10"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while held.poll() is None and "paused at rename" not in seen:
+        seen = held.stderr.readline()
+    other = subprocess.run([*command, "--method", "first"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    err = held.communicate(timeout=300)[1]
+    codes = sorted([held.returncode, other.returncode])
+    assert codes == [0, 2], (held.returncode, err[-2000:], other.returncode, other.stderr[-2000:])
+    refused = err if held.returncode == 2 else other.stderr
+    assert "appeared while this run wrote it" in refused and refused.strip().count("\n") == 0, refused
+    record = json.loads((out / "uptrain_conversion.json").read_text())
+    assert record["method"] == ("mean" if held.returncode == 0 else "first"), record  # the one that was not refused
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
