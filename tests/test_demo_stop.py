@@ -98,3 +98,17 @@ def test_a_stop_during_the_sweeps_uptraining_ends_it_in_one_line_and_the_rerun_c
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mean kv2: kept from the earlier run" in done.stdout, done.stdout
     assert (out / "kv2-uptrained" / "model" / "config.json").is_file()
+
+
+def test_a_demo_stopped_in_its_conversion_continues_from_the_kept_layers_as_its_stop_line_says(tmp_path):
+    """Before: the stop line said "the same command continues from there", and the rerun emptied
+    --out, kept layers and all, and refined every layer again."""
+    out = tmp_path / "demo"
+    command = [sys.executable, "-m", "uptrain.demo", "--out", str(out), *DEMO_ARGS]
+    code, err = _stopped(command, "SIGTERM", {"UPTRAIN_TEST_PAUSE_AT": "kept-1:60"}, "paused at kept-1")
+    assert code == 143 and "the same command continues from there" in err, err[-3000:]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "continues an interrupted conversion: layers 0-1 of 5" in done.stdout, done.stdout[-3000:]
+    assert not [p for p in out.iterdir() if ".layers-" in p.name]  # the output in place: the kept layers go

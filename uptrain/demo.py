@@ -22,7 +22,7 @@ pre-training peak (3e-4); the recipe study found 1/3 of the model's own peak bes
 from __future__ import annotations
 
 AS_IT_WAS = ("the folder being written was removed; --out keeps the steps finished before (the next demo into "
-             "it replaces it whole)")
+             "it replaces them, all but a conversion's finished layers)")
 from uptrain.stopping import is_command
 
 if is_command(__name__, "uptrain-demo"):  # first act: Ctrl-C / SIGTERM during the imports below end the demo cleanly too
@@ -254,8 +254,11 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
     how += f", refined (at most {args.refine_steps} steps per layer)" if refine else ""
     converted = args.out / f"{name}-gqa{kv_heads}"
     print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})", flush=True)
-    convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
-            grouping=args.grouping, refine=refine)
+    plan = convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
+                   grouping=args.grouping, refine=refine)
+    for note in plan.notes:
+        if note.startswith("continues an interrupted conversion"):
+            print(f"   {note}", flush=True)
     at_once.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
     return converted, args.method + (" + refine" if refine else "")
 
@@ -340,8 +343,10 @@ DEMO_MARK = ".uptrain-demo"  # in a folder the demo made: only such a folder is 
 
 
 def prepare_out(out: Path) -> None:
-    """Make `out` an empty folder for this demo: an earlier demo's folder is removed whole (its old
-    files would mix with the new ones); any other non-empty folder is refused in one line."""
+    """Make `out` an empty folder for this demo: an earlier demo's folder is emptied (its old files
+    would mix with the new ones), except the finished layers a stopped conversion kept there
+    (`.NAME.layers-KEY`: the same command continues from them, as its stop line says; other
+    arguments give another KEY); any other non-empty folder is refused in one line."""
     import shutil
 
     from uptrain.convert.io.output_dir import check_writable
@@ -351,7 +356,9 @@ def prepare_out(out: Path) -> None:
         if not (out / DEMO_MARK).is_file():
             raise UsageError(f"--out {out} is a non-empty folder the demo did not make; give another --out "
                              "(the demo replaces only its own folders)")
-        shutil.rmtree(out)
+        for entry in out.iterdir():
+            if not (entry.is_dir() and entry.name.startswith(".") and ".layers-" in entry.name):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARK).write_text("made by python -m uptrain.demo; replaced whole by the next demo into it\n")
 

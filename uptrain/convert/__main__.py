@@ -188,8 +188,10 @@ def _main(argv: list[str] | None = None) -> int:
             plan = _plan_then_convert(args, max_shard, phases)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            left = at_once.left_behind()  # finished layers kept for a rerun: they take space too
             raise UsageError(f"cannot write {args.out}: {err.strerror}; free space and run again "
-                             f"(nothing was left behind)") from err
+                             + (f"({left}; delete that folder to free its space)" if left
+                                else "(nothing was left behind)")) from err
         raise
     if plan is None:
         print("dry run: nothing written")

@@ -140,9 +140,11 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
 
 
 # Calibration fields that do not change a layer's tensors: the file (keyed by its facts), what the
-# record says, how many users share the stream, what each keeps (follows refine.inputs); and the
-# stream's own state (fields named _*).
-NOT_LAYER_SETTINGS = {"path", "record", "users", "keep"}
+# record says, how many users share the stream, what each keeps (follows refine.inputs), the memory
+# above which activations are kept in bfloat16 (by default half the memory free at the start: it
+# differs from run to run, and a layer kept in the other mode differs by bfloat16 rounding only);
+# and the stream's own state (fields named _*).
+NOT_LAYER_SETTINGS = {"path", "record", "users", "keep", "activation_limit"}
 
 
 def layer_settings(kv_heads: int, method: str, grouping: str, seed: int, revision: str | None,

@@ -27,7 +27,7 @@ Test hook: UPTRAIN_TEST_PAUSE_AT="PHASE[:SECONDS]" makes `pause(PHASE)` print 'p
 on stderr the first time the run reaches PHASE and wait SECONDS (default 60) or until stopped.
 Phases: import, plan, copy (the kept tensors, also while planning), calibrate, refine, write
 (building and writing shards), kept-K (layer K of a layer-at-a-time conversion kept for a rerun:
-`convert/io/kept_layers.py`), rename (just before the folder is put in place).
+`convert/io/kept_layers.py`; keeping-K: just before it is), rename (just before the folder is put in place).
 """
 
 from __future__ import annotations
@@ -79,11 +79,7 @@ def message() -> str:
     if _state["written"] is not None:
         return f"{program}: {what} after {_state['written']} was put in place; it is the complete new folder"
     line = f"{program}: {what}; {_state.get('as_it_was', 'the output folder is as it was')}"
-    describe = _state.get("leaving")
-    try:
-        left = describe() if describe is not None else ""
-    except OSError:  # a message must come out whatever the disk says
-        left = ""
+    left = left_behind()  # (whatever the disk says: a message must come out)
     return f"{line}; {left}" if left else line
 
 
@@ -91,6 +87,15 @@ def leaving(describe) -> None:
     """What a stop leaves behind on purpose, said in its one line: `describe()` returns it ('' for
     nothing yet), e.g. the finished layers a rerun continues from (`convert/io/kept_layers.py`); None: nothing."""
     _state["leaving"] = describe
+
+
+def left_behind() -> str:
+    """What a stop now would leave on purpose (`leaving`), '' for nothing."""
+    describe = _state.get("leaving")
+    try:
+        return describe() if describe is not None else ""
+    except OSError:
+        return ""
 
 
 def written(out: Path | None) -> None:

@@ -10,7 +10,7 @@ layer. The folder is made with the first layer and removed once DIR is in place.
 KEY (`conversion_key`) is a hash of everything a layer's tensors depend on: the source's config
 and every file of the source folder and its weight files (names, sizes, modification times: the
 tokenizer's too, which the calibration reads), the K/V count, method, grouping, seed, output
-dtype, the calibration text (path, size, modification time), every calibration and refinement
+dtype, the calibration text (its content; over 256 MiB: path, size, modification time), every calibration and refinement
 setting (`pipeline.layer_settings`), uptrain's code (`uptrain.code_fingerprint`, a hash of its
 files) and the versions of torch and transformers. A rerun with the
 same arguments finds the folder and takes its layers as they are (the calibration stream still
@@ -48,6 +48,17 @@ def _file_facts(path: Path) -> list[Any]:
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
+CONTENT_HASH_LIMIT = 256 << 20  # a calibration text up to this size is keyed by its content
+
+
+def _text_identity(path: Path) -> list[Any]:
+    """A calibration text by its content (the same text rewritten, as the demo does on a rerun, is the
+    same text); a larger one by its facts, not read whole for a key."""
+    if path.stat().st_size > CONTENT_HASH_LIMIT:
+        return _file_facts(path)
+    return ["sha256", hashlib.sha256(path.read_bytes()).hexdigest()]
+
+
 def conversion_key(source_dir: Path, weight_files: Iterable[Path], settings: dict[str, Any],
                    calib_file: Path | None) -> str:
     """A 16-hex-digit hash of a layer-at-a-time conversion's inputs (see the module doc).
@@ -63,12 +74,22 @@ def conversion_key(source_dir: Path, weight_files: Iterable[Path], settings: dic
         "config": (Path(source_dir) / "config.json").read_text(encoding="utf-8"),
         "files": sorted(_file_facts(p) for p in source_files),
         "weights": sorted(_file_facts(Path(f)) for f in set(weight_files)),
-        "calib": _file_facts(Path(calib_file)) if calib_file is not None else None,
+        "calib": _text_identity(Path(calib_file)) if calib_file is not None else None,
         "settings": settings,
         "versions": [code_fingerprint(), torch.__version__, transformers.__version__],
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _as_os_error(err: BaseException, path: Path) -> BaseException:
+    """safetensors reports a failed write (a full disk, a quota) as its own error type with the OS
+    error's number in its message: as an OSError, so it reads as the system's refusal it is."""
+    found = re.search(r"os error (\d+)", str(err))
+    if isinstance(err, OSError) or not found:
+        return err
+    code = int(found[1])
+    return OSError(code, os.strerror(code), str(path))
 
 
 class KeptLayers:
@@ -98,15 +119,22 @@ class KeptLayers:
         return self.folder / f"layer-{index:05d}.safetensors"
 
     def load(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """Layer `index`'s tensors (as saved, on the CPU) and its note, or None if it is not kept."""
+        """Layer `index`'s tensors (as saved, on the CPU) and its note, or None if it is not kept.
+
+        A file that cannot be read as a kept layer (damaged on the disk, or by hand) is removed and
+        None returned: the layer is made again, as if it had never been kept."""
         from safetensors import safe_open
 
         path = self._path(index)
         if not path.is_file():
             return None
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-            note = json.loads((f.metadata() or {}).get("uptrain", "{}"))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                note = json.loads((f.metadata() or {}).get("uptrain", "{}"))
+        except Exception:  # noqa: BLE001 - safetensors' own error type, a bad header, bad JSON: all "not a layer"
+            path.unlink(missing_ok=True)
+            return None
         return tensors, note
 
     def save(self, index: int, tensors: dict[str, torch.Tensor], note: dict[str, Any]) -> None:
@@ -116,11 +144,15 @@ class KeptLayers:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(index)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"uptrain": json.dumps(note, default=str)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+                      metadata={"uptrain": json.dumps(note, default=str)})
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            tmp.unlink(missing_ok=True)
+            raise _as_os_error(err, tmp) from err
         directory = os.open(self.folder, os.O_RDONLY)
         try:
             os.fsync(directory)

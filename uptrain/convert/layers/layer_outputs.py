@@ -126,6 +126,7 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
         student = getattr(refiner, "last_state", None) or {}
         note = {"head_order": settings.permutations.get(layer), "clip_seen": settings.clip_seen.get(layer),
                 "refine": (refiner.record.get("layers") or [None])[-1] if refiner is not None else None}
+        at_once.pause(f"keeping-{index}")
         settings.kept.save(index, {**done, **{f"student:{k}": v for k, v in student.items()}}, note)
         at_once.pause(f"kept-{index}")
     if settings.on_layer is not None:
