@@ -24,6 +24,16 @@ from uptrain.cli import format_table  # noqa: E402
 from uptrain.errors import UsageError, exit_on_usage_error  # noqa: E402
 
 DEFAULT_LRS = (1e-5, 3e-5, 1e-4, 3e-4)
+# Rates whose final validation loss is within this fraction of the lowest are a tie: a short run's
+# loss moves more than that with the data order alone (e.g. 7e-6 nats is no difference at all).
+TIE = 0.002
+
+
+def tied(losses: dict[float, float], best: float, tie: float = TIE) -> list[float]:
+    """The rates (smallest first) whose finite loss is within `tie` (a fraction) of `best`'s: more
+    than one is a tie that this sweep cannot break."""
+    bound = losses[best] * (1 + tie) if losses[best] >= 0 else losses[best] * (1 - tie)
+    return sorted(lr for lr, loss in losses.items() if loss == loss and loss <= bound)
 
 
 def best_lr(losses: dict[float, float]) -> tuple[float, bool]:
@@ -66,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + format_table(["peak lr", "val loss"], [[f"{lr:g}", f"{loss:.4f}"] for lr, loss in losses.items()]))
     edge = f" (at the end of the range: also try {'smaller' if best == min(losses) else 'larger'} rates)" \
         if at_edge else ""
-    print(f"\nbest: optim.lr={best:g}{edge}")
+    close = tied(losses, best)
+    if len(close) > 1:
+        print(f"\ntie: optim.lr={', '.join(f'{lr:g}' for lr in close)} end within {TIE:.1%} of each other's loss, "
+              f"closer than this sweep can tell apart; the smaller, optim.lr={close[0]:g}, is the safer pick "
+              f"(sweep longer, --tokens, to separate them){edge if close[0] == best else ''}")
+    else:
+        print(f"\nbest: optim.lr={best:g}{edge}")
     return 0
 
 

@@ -37,6 +37,25 @@ def test_best_lr_is_the_lowest_finite_loss_and_flags_the_ends_of_the_grid():
     assert lr_sweep.best_lr({1e-5: 3.0, 3e-5: 2.5, 1e-4: 2.2}) == (1e-4, True)
 
 
+def test_rates_within_the_tie_of_the_lowest_loss_are_a_tie():
+    """Before: "best" was named over a difference of 7e-6 nats."""
+    rng = random.Random(1)
+    for trial in range(500):
+        lrs = sorted(rng.sample([1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3], rng.randint(1, 8)))
+        losses = {lr: math.nan if rng.random() < 0.1 else rng.choice([2.0, 2.0 + rng.uniform(0, 0.02)])
+                  for lr in lrs}
+        if all(math.isnan(v) for v in losses.values()):
+            continue
+        best, _ = lr_sweep.best_lr(losses)
+        close = lr_sweep.tied(losses, best)
+        assert best in close and close == sorted(close)
+        for lr, loss in losses.items():
+            inside = loss == loss and loss <= losses[best] * (1 + lr_sweep.TIE)
+            assert (lr in close) == inside, (losses, close)
+    assert lr_sweep.tied({1e-4: 2.000007, 3e-4: 2.0}, 3e-4) == [1e-4, 3e-4]
+    assert lr_sweep.tied({1e-4: 2.1, 3e-4: 2.0}, 3e-4) == [3e-4]
+
+
 def test_sweep_on_the_tiny_model_runs_each_rate_and_names_the_best(tmp_path, capsys, one_torch_thread):
     model = built_gqa4()
     out = tmp_path / "sweep"

@@ -254,6 +254,8 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
     how += f", refined (at most {args.refine_steps} steps per layer)" if refine else ""
     converted = args.out / f"{name}-gqa{kv_heads}"
     print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})", flush=True)
+    if calibration is not None and calibration.record.get("warning"):
+        print(f"   warning: {calibration.record['warning']}", flush=True)
     plan = convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
                    grouping=args.grouping, refine=refine)
     for note in plan.notes:
@@ -314,7 +316,7 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
     each against the source (`uptrain.eval --reference`): loss, KL to the source, top-1 and greedy
     agreement, and the KV cache; the warnings when the loss cannot be read at face value."""
     from uptrain.measure.eval import evaluate_paths
-    from uptrain.measure.fidelity import GreedySettings, fidelity_note, fidelity_warnings
+    from uptrain.measure.fidelity import GreedySettings, fidelity_note, fidelity_warnings, greedy_cell
 
     print(f"== score {len(models)} models on {len(valid)} held-out documents ({max_length}-token windows), each "
           "against the source", flush=True)
@@ -322,7 +324,7 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
                              greedy=GreedySettings().within(max_length, explicit=False))
     kv = [stored_kv_bytes_per_token(path) for _, path in models]
     table = [[label, f"{r.loss:.3f}", f"{r.perplexity:.2f}", f"{r.kl_to_source:.4f}", f"{r.top1_agreement:.1%}",
-              "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1%}", f"{b:,} B", f"{kv[0] / b:.0f}x"]
+              greedy_cell(r.greedy_agreement, r.greedy_agreement_se), f"{b:,} B", f"{kv[0] / b:.0f}x"]
              for (label, _), r, b in zip(models, results, kv)]
     print(f"\nHeld-out loss on {what}, {max_length}-token windows, stride {stride}: the model's context, as "
           "uptrain.eval scores):\n")

@@ -98,3 +98,19 @@ def test_one_calibration_serves_several_conversions(one_torch_thread):
     again = [calibration.sigma(f"model.layers.{i}.self_attn.") for i in range(2)]
     for a, b in zip(first, again):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_txt_read_as_one_document_of_many_lines_is_warned_about(tmp_path):
+    """Before: a .txt with one document per line and no blank lines was calibrated on as one long
+    document, silently."""
+    from uptrain.convert.layers.calibrate import ONE_DOCUMENT_LINES, Calibration
+
+    stories = [s.replace("\n", " ") for s in TRAIN_TXT.read_text().split("\n\n")[:60]]
+    per_line, paragraphs, few = tmp_path / "per-line.txt", tmp_path / "paragraphs.txt", tmp_path / "few.txt"
+    per_line.write_text("\n".join(stories))
+    paragraphs.write_text("\n\n".join(stories))
+    few.write_text("\n".join(stories[:ONE_DOCUMENT_LINES - 1]))
+    warned = Calibration(path=per_line, tokens=1024).record.get("warning", "")
+    assert "read as ONE document of 60 lines" in warned and "--calib-text-unit line" in warned
+    for path, unit in [(per_line, "line"), (paragraphs, "paragraph"), (few, "paragraph")]:
+        assert "warning" not in Calibration(path=path, tokens=1024, text_unit=unit).record, (path, unit)

@@ -90,7 +90,11 @@ def test_cli_json_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert rc == 0
     (row,) = json.loads(out.read_text())
     assert row["documents"] == 2 and row["max_length"] == 64 and row["perplexity"] > 1
-    assert "perplexity" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "perplexity" in printed
+    # what this loss is beside the trainer's val loss (they differ on the same text: both say why)
+    assert "max_length 64, stride 32: each document scored on its own" in printed
+    assert "the trainer's val loss packs documents end to end into seq_len blocks" in printed
 
     assert main([str(tmp_path / "missing-model"), "--data", str(VALID)]) == 2
     assert main([str(built_gqa4()), "--data", str(tmp_path / "missing.txt")]) == 2

@@ -201,6 +201,35 @@ def test_greedy_agreement_is_one_with_itself_and_below_one_against_another_model
     # a case where the common prefix is not every match (counting those would give agreement x 16)
     assert 0 < fid.greedy_agreement < 1 and fid.greedy_agreement * 16 != fid.greedy_prefix
     assert greedy_scores(torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]]), torch.tensor([[1, 2, 3, 4]] * 2)) == (7 / 8, 2.5)
+    # its standard error is over the prompts, the independent units: per-prompt shares' spread / sqrt(B)
+    shares = torch.tensor([sum(row) / 16 for row in same], dtype=torch.float64)
+    assert fid.greedy_agreement_se == pytest.approx(float(shares.std()) / 3 ** 0.5, rel=1e-12)
+
+
+def test_the_greedy_agreement_interval_covers_the_true_agreement_at_its_stated_rate() -> None:
+    """± 1.96 standard errors over B prompts holds the expected agreement about 95% of the time, for
+    continuations that agree up to a first difference and rarely after it (as greedy ones do); at
+    16 prompts (the default) and 64."""
+    from uptrain.measure.fidelity import greedy_agreement_se
+
+    gen = torch.Generator().manual_seed(0)
+    for prompts in (16, 64):
+        covered, trials, C = 0, 2000, 32
+        expected = 0.0
+        # the truth, from a large sample of the same process: prefix ~ geometric(0.08), later 5% matches
+        def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            first = torch.distributions.Geometric(torch.tensor(0.08)).sample((n,)).long()
+            pos = torch.arange(C).expand(n, C)
+            agree = (pos < first[:, None]) | (torch.rand(n, C, generator=gen) < 0.05)
+            return agree.long(), torch.ones(n, C, dtype=torch.long)
+        torch.manual_seed(1)
+        ours, ref = sample(200_000)
+        expected = greedy_scores(ours, ref)[0]
+        for _ in range(trials):
+            ours, ref = sample(prompts)
+            mean, se = greedy_scores(ours, ref)[0], greedy_agreement_se(ours, ref)
+            covered += abs(mean - expected) <= 1.96 * se
+        assert 0.90 <= covered / trials <= 0.98, (prompts, covered / trials)
 
 
 def test_the_loss_is_the_same_with_and_without_a_reference(tmp_path: Path, monkeypatch) -> None:

@@ -205,6 +205,9 @@ def _main(argv: list[str] | None = None) -> int:
               + f" held-out error per layer ({sum(x['steps_run'] for x in done)} steps, "
                 f"{sum(x['seconds'] for x in done):.1f} s)")
     print(f"wrote {args.out}")
+    note = conversion_options(args).start_note()
+    if note:
+        print(f"note: {args.out} is a {note}")
     if at_once.pending():  # it came while the folder was put in place: the point of no return
         print(at_once.message(), file=sys.stderr, flush=True)
         return at_once.exit_code()

@@ -184,6 +184,8 @@ def format_plan(plan: ConversionPlan) -> str:
         c = plan.calibration
         rows.append(("calibration", f"{c['file']}, {c.get('tokens_used', c['tokens_requested']):,} tokens on "
                                     f"{c['device']}" + (f", {c['seconds']} s" if "seconds" in c else "")))
+        if c.get("warning"):
+            rows.append(("warning", c["warning"]))
     if plan.refinement:
         r = plan.refinement
         rows.append(("refine", f"from {r['start']}: Adam on each layer's attention output, at most {r['steps']} "

@@ -41,6 +41,7 @@ class Comparison:
     kl_to_source: float | None = None  # fidelity to the source (eval's fields; None when not measured)
     top1_agreement: float | None = None
     greedy_agreement: float | None = None
+    greedy_agreement_se: float | None = None
 
 
 def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list[Comparison]:
@@ -59,6 +60,7 @@ def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list
             decode_speedup=speedup, decode_unreliable=unreliable, loss=e.loss, perplexity=e.perplexity,
             perplexity_change_pct=100.0 * (e.perplexity / src_e.perplexity - 1.0), eval=e, bench=b,
             kl_to_source=e.kl_to_source, top1_agreement=e.top1_agreement, greedy_agreement=e.greedy_agreement,
+            greedy_agreement_se=e.greedy_agreement_se,
         ))
     return rows
 
@@ -84,8 +86,10 @@ def _fidelity_cells(row: Comparison) -> list[str]:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
 
+    from uptrain.measure.fidelity import greedy_cell
+
     kl = "-" if row.kl_to_source is None else f"{row.kl_to_source:.4f}"
-    return [kl, pct(row.top1_agreement), pct(row.greedy_agreement)]
+    return [kl, pct(row.top1_agreement), greedy_cell(row.greedy_agreement, row.greedy_agreement_se)]
 
 
 def comparison_table(rows: Sequence[Comparison]) -> str:
@@ -99,6 +103,10 @@ def comparison_table(rows: Sequence[Comparison]) -> str:
           f"{r.perplexity:.3f}", f"{r.perplexity_change_pct:+.2f}%", *(_fidelity_cells(r) if fidelity else []),
           _geo_mean(r, s)] for r, s in zip(rows, speedups)],
     )
+    if any(r.greedy_agreement_se is not None for r in rows):
+        from uptrain.measure.fidelity import GREEDY_SE_NOTE
+
+        summary += f"\ngreedy agr.: {GREEDY_SE_NOTE}"
     speed = [{f"{d.batch}x{d.context}": d.decode_tokens_per_s for d in r.bench.decode} for r in rows]
     settings = list(rows[0].decode_speedup)
     if not settings:

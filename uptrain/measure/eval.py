@@ -58,6 +58,7 @@ class EvalResult:
     top1_agreement: float | None = None  # share of tokens with the source's argmax
     greedy_agreement: float | None = None  # share of greedy-continuation tokens equal to the source's
     greedy_prefix: float | None = None  # mean common-prefix length of the greedy continuations, tokens
+    greedy_agreement_se: float | None = None  # its standard error over the prompts
     kl_doc_std: float | None = None  # spread of per-document mean KL (standard deviation)
     kl_doc_max: float | None = None  # the largest per-document mean KL
     loss_vs_source: float | None = None  # loss - source_loss, nats/token
@@ -315,13 +316,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+# What this loss is, beside the trainer's val_loss on the same text (they differ, and both say why).
+SCORING = ("each document scored on its own in strided windows, every token with up to max_length tokens of its own "
+           "document before it (the trainer's val loss packs documents end to end into seq_len blocks, where a "
+           "token sees only the tokens of its block before it: a different, usually higher number)")
+
+
 def _print_results(results: Sequence[EvalResult], max_length: int, stride: int, out: TextIO) -> None:
     """The loss table; with a reference, the fidelity columns beside the loss, what they are, the warnings."""
     note = fidelity_note(results)
     extra = FIDELITY_COLUMNS if note else []
     rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", *(fidelity_cells(r) if note else []), r.tokens,
              r.documents) for r in results]
-    print(f"max_length {max_length}, stride {stride}", file=out)
+    print(f"max_length {max_length}, stride {stride}: {SCORING}", file=out)
     print(format_table(["model", "loss (nats/token)", "perplexity", *extra, "tokens", "documents"], rows), file=out)
     if note:
         print(note, file=out)

@@ -84,6 +84,7 @@ class Fidelity:
     source_loss: float  # the reference's loss on the same tokens
     greedy_agreement: float | None  # share of continuation tokens equal to the source's, position by position
     greedy_prefix: float | None  # mean common-prefix length of the continuations, tokens
+    greedy_agreement_se: float | None  # its standard error over the prompts (None under 2 prompts)
     prompts: int  # greedy prompts used
     prompt_tokens: int
     continuation_tokens: int
@@ -94,7 +95,7 @@ class Fidelity:
         """The fields an EvalResult carries (uptrain.measure.eval), under its names."""
         return dict(source_loss=self.source_loss, kl_to_source=self.kl_to_source, top1_agreement=self.top1_agreement,
                     greedy_agreement=self.greedy_agreement, greedy_prefix=self.greedy_prefix,
-                    kl_doc_std=self.kl_doc_std, kl_doc_max=self.kl_doc_max, loss_vs_source=self.loss_vs_source,
+                    greedy_agreement_se=self.greedy_agreement_se, kl_doc_std=self.kl_doc_std, kl_doc_max=self.kl_doc_max, loss_vs_source=self.loss_vs_source,
                     loss_vs_source_se=self.loss_vs_source_se, greedy_prompts=self.prompts,
                     prompt_tokens=self.prompt_tokens, continuation_tokens=self.continuation_tokens)
 
@@ -219,8 +220,25 @@ def greedy_scores(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float | None, 
     return int(same.sum()) / same.numel(), int(prefix.sum()) / prefix.numel()
 
 
+def greedy_agreement_se(ours: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """The standard error of the greedy agreement of continuations [B, C], over the prompts: they are
+    the independent units (within one continuation, tokens after a first difference rarely agree
+    again, so tokens are far from independent). None under 2 prompts."""
+    if ours.shape[0] < 2:
+        return None
+    per_prompt = (ours == ref).double().mean(-1)  # [B]
+    return float(per_prompt.std(unbiased=True)) / math.sqrt(per_prompt.numel())
+
+
+def greedy_cell(agreement: float | None, se: float | None) -> str:
+    """'48.0% ± 9.1%' (± one standard error over the prompts), '-' when not measured."""
+    if agreement is None:
+        return "-"
+    return f"{agreement:.1%}" + ("" if se is None else f" ± {se:.1%}")
+
+
 def fidelity_from(docs: Sequence[FidelitySums], greedy: tuple[float | None, float | None],
-                  settings: GreedySettings, prompts: int) -> Fidelity:
+                  settings: GreedySettings, prompts: int, greedy_se: float | None = None) -> Fidelity:
     """The means of per-document sums, the KL's spread over documents, and the paired loss difference
     with its standard error clustered by document (a ratio estimator: documents are the independent units)."""
     scored = [d for d in docs if d.tokens]
@@ -236,7 +254,7 @@ def fidelity_from(docs: Sequence[FidelitySums], greedy: tuple[float | None, floa
         kl_to_source=total.kl / n, top1_agreement=total.agree / n,
         kl_doc_std=statistics.stdev(doc_kl) if g > 1 else 0.0, kl_doc_max=max(doc_kl),
         loss_vs_source=mean, loss_vs_source_se=se, source_loss=total.ref_nll / n,
-        greedy_agreement=greedy[0], greedy_prefix=greedy[1], prompts=prompts,
+        greedy_agreement=greedy[0], greedy_prefix=greedy[1], greedy_agreement_se=greedy_se, prompts=prompts,
         prompt_tokens=settings.prompt_tokens, continuation_tokens=settings.continuation_tokens,
         tokens=n, documents=len(docs),
     )
@@ -265,7 +283,8 @@ class Reference:
             raise UsageError("no tokens to score: the data is empty or every document is one token long")
         ours = (self.continuations if model is self.model else
                 greedy_continuation(model, self.prompts, self.settings.continuation_tokens))
-        return docs, fidelity_from(docs, greedy_scores(ours, self.continuations), self.settings, len(self.prompts))
+        return docs, fidelity_from(docs, greedy_scores(ours, self.continuations), self.settings, len(self.prompts),
+                                   greedy_agreement_se(ours, self.continuations))
 
 
 def check_vocabulary(paths: Sequence[str], reference: str, first_text: str | None) -> None:
@@ -298,7 +317,7 @@ def fidelity_cells(r) -> list[str]:
     """The FIDELITY_COLUMNS cells of an EvalResult scored against a reference ("-" where not measured)."""
     if r.kl_to_source is None:
         return ["-"] * len(FIDELITY_COLUMNS)
-    greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1%}"
+    greedy = greedy_cell(r.greedy_agreement, r.greedy_agreement_se)
     se = "" if r.loss_vs_source_se is None else f" ± {r.loss_vs_source_se:.4f}"
     return [f"{r.kl_to_source:.4f}", f"{r.top1_agreement:.1%}", greedy, f"{r.loss_vs_source:+.4f}{se}"]
 
@@ -310,7 +329,13 @@ def fidelity_note(results: Sequence) -> str | None:
         return None
     return (f"fidelity against {r.reference}: KL(source || model) nats/token and top-1 agreement over the "
             f"{r.tokens:,} scored tokens; greedy agreement over {r.greedy_prompts} prompts (the first "
-            f"{r.prompt_tokens} tokens of each document that has them) each continued {r.continuation_tokens} tokens")
+            f"{r.prompt_tokens} tokens of each document that has them) each continued {r.continuation_tokens} tokens, "
+            f"{GREEDY_SE_NOTE}")
+
+
+# Said wherever greedy agreement is shown with its ± (eval, compare, the sweep, the demo).
+GREEDY_SE_NOTE = ("± one standard error over the prompts (two models' greedy agreements closer than about twice "
+                  "it are within noise: more prompts with --greedy-prompts narrow it)")
 
 
 def add_fidelity_args(parser: argparse.ArgumentParser, reference: bool = True) -> None:

@@ -83,22 +83,30 @@ def _name(p) -> str:
 def _fidelity_cells(p) -> list[str]:
     if p.kl_to_source is None:
         return ["-", "-", "-"]
-    greedy = "-" if p.greedy_agreement is None else f"{p.greedy_agreement:.1%}"
+    from uptrain.measure.fidelity import greedy_cell
+
+    greedy = greedy_cell(p.greedy_agreement, getattr(p, "greedy_agreement_se", None))
     return [f"{p.kl_to_source:.4f}", f"{p.top1_agreement:.1%}", greedy]
 
 
-def report(args, points: list, method: str, vocab_size: int) -> None:
-    """The table, the warnings, the plots and the recommendation (and one after uptraining)."""
+def report(args, points: list, method: str, vocab_size: int, start_note: str | None = None) -> None:
+    """The table, the warnings, the plots and the recommendation (and one after uptraining);
+    start_note: what kind of start the counts are when not the quality path's (`ConversionOptions.start_note`)."""
+    from uptrain.convert.plan import human_bytes
     from uptrain.measure.plots import plot_sweep
 
     source = points[0]
     rows = [[_name(p), p.kv_heads, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
-             *_fidelity_cells(p), f"{p.kv_bytes_per_token:,.0f} B", f"{p.kv_bytes_at_context / 2**20:,.1f} MiB",
+             *_fidelity_cells(p), f"{p.kv_bytes_per_token:,.0f} B", human_bytes(p.kv_bytes_at_context),
              f"{source.kv_bytes_per_token / p.kv_bytes_per_token:g}x"] for p in points]
     extra_headers, extra_cells = table_columns(points, source.loss)  # --bench, --uptrain-tokens
     print(format_table(["model", "K/V heads", "loss", "perplexity", "vs source", "KL to source", "top-1 agr.",
                         "greedy agr.", "KV / token", f"KV at {source.settings['context']:,} tokens x {args.batch}",
                         "KV reduction", *extra_headers], [row + extra for row, extra in zip(rows, extra_cells)]))
+    if any(getattr(p, "greedy_agreement_se", None) is not None for p in points):
+        from uptrain.measure.fidelity import GREEDY_SE_NOTE
+
+        print(f"greedy agr.: {GREEDY_SE_NOTE}")
     for line in notes(points):
         print(line)
     said = warnings(points, vocab_size)
@@ -107,7 +115,10 @@ def report(args, points: list, method: str, vocab_size: int) -> None:
     for metric, name in PLOTS.items():
         plot_sweep([asdict(p) for p in points], args.out / name, metric=metric)
     chosen = [p for p in points[1:] if p.label.startswith(method + " ")]
-    print(recommend(chosen, source.loss, args.max_loss_increase, args.max_kl, loss_misleads=bool(said)))
+    if start_note:
+        print(f"note: these are the numbers of a {start_note}")
+    print(recommend(chosen, source.loss, args.max_loss_increase, args.max_kl, loss_misleads=bool(said))
+          + (f" ({method} start: see the note)" if start_note else ""))
     uptrained = after_uptraining(chosen)
     if uptrained:
         later = warnings([source, *uptrained], vocab_size)

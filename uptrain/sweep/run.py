@@ -52,6 +52,7 @@ class Point:
     top1_agreement: float | None = None  # share of those tokens where both argmaxes agree
     greedy_agreement: float | None = None  # share of greedy-continuation tokens equal to the source's
     greedy_prefix: float | None = None  # mean tokens before the first difference
+    greedy_agreement_se: float | None = None  # the greedy agreement's standard error over the prompts
     loss_vs_source: float | None = None  # loss - the source's, over the same tokens
     loss_vs_source_se: float | None = None  # its standard error over documents
     fidelity_after_uptraining: dict | None = None  # the six above, of the uptrained model
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     run_extras(args, folder, points, texts, max_length, stride, raw, lambda now: sweep.write([asdict(p) for p in now]),
                sweep.mark)
     sweep.write([asdict(p) for p in points])
-    report(args, points, jobs[0][0], _vocab_size(raw))
+    report(args, points, jobs[0][0], _vocab_size(raw), jobs[0][1].start_note())
     return 0
 
 
@@ -263,6 +264,8 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
     began = time.monotonic()
     print(f"== {name} kv{', kv'.join(map(str, counts))}: converting together into {args.out} (one read of the "
           f"source{', one calibration pass' if calibration else ''})", flush=True)
+    if calibration is not None and calibration.record.get("warning"):
+        print(f"   warning: {calibration.record['warning']}", flush=True)
     convert_counts(str(folder), {n: outs[n] for n in counts}, options.method, seed=options.seed, force=True,
                    calibration=calibration, grouping=options.grouping, refine=refine,
                    on_planned=lambda plans: print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"},

@@ -61,6 +61,22 @@ def read_calibration_texts(path: Path, text_unit: str = DataSource.text_unit) ->
         raise UsageError(f"--calib: {err}") from None
 
 
+ONE_DOCUMENT_LINES = 20  # a .txt read as one document with at least this many lines is worth a warning
+
+
+def one_document_warning(path: Path, text_unit: str, texts: list[str]) -> str | None:
+    """A warning when a .txt file read by paragraphs is one document of many lines: a file with one
+    document per line and no blank lines between them, which calibration would read as one long
+    text running across documents."""
+    if text_unit != "paragraph" or path.suffix.lower() != ".txt" or len(texts) != 1:
+        return None
+    lines = texts[0].count("\n") + 1
+    if lines < ONE_DOCUMENT_LINES:
+        return None
+    return (f"{path} was read as ONE document of {lines:,} lines (no blank line separates documents); if it holds "
+            f"one document per line, pass --calib-text-unit line")
+
+
 def calibration_sequences(texts: list[str], tokenizer: Any, tokens: int, window: int
                           ) -> tuple[list[list[int]], list[int], int, int]:
     """The forward passes of a calibration: (token-id sequences, the document each came from
@@ -136,10 +152,13 @@ class Calibration:
         if self.keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, not {self.keep!r}")
         self.path = Path(self.path)
-        read_calibration_texts(self.path, self.text_unit)  # fail now, before any work
+        texts = read_calibration_texts(self.path, self.text_unit)  # fail now, before any work
         check_device(self.device)
         self.record.update(file=str(self.path), text_unit=self.text_unit, tokens_requested=self.tokens,
                            device=self.device, passes=0)
+        warning = one_document_warning(self.path, self.text_unit, texts)
+        if warning:
+            self.record["warning"] = warning
 
     # ------------------------------------------------------------------ its users
 

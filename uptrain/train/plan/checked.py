@@ -79,6 +79,9 @@ class Plan:
             f"micro_batch {b.micro_batch} x grad_accum {b.grad_accum} x {self.world} processes, seq_len "
             f"{self.config.data.seq_len}; model {n_params:,} params; data "
             f"{'streaming' if n_train is None else n_train} train blocks, {n_val} val blocks\n"
+            f"val loss: the mean over the {n_val} val blocks, documents packed end to end into {self.config.data.seq_len}-"
+            f"token blocks (a token sees only its block before it); uptrain.eval scores each document on its own "
+            f"in windows of the model's context: the number to compare models with, usually lower\n"
             f"{cpu_threads_line(self.config.threads)}\n{paths_line(data_config)}"
         )
 
