@@ -58,3 +58,58 @@ def test_a_plain_conversion_prints_no_layer_lines(tmp_path, capsys):
     """Pooling without --calib is tensor by tensor, seconds long: no per-layer lines."""
     assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--out", str(tmp_path / "out")]) == 0
     assert "layers, ~" not in capsys.readouterr().out
+
+
+def _timed_lines(command: list[str], env: dict) -> list[tuple[float, str]]:
+    """Each stdout line of `command` with the time it came (seconds from the start)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "uptrain.convert", *command], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env})
+    lines = [(time.monotonic() - began, line.rstrip("\n")) for line in proc.stdout]
+    assert proc.wait(timeout=300) == 0
+    return lines
+
+
+# The phases of a layer that have no steps to count, each made to last 3 s by its pause hook (at 7B
+# width on a CPU they last minutes: 109-127 s before the first refinement line, 290-320 s after the
+# last, silent, before this): a line at least every `UPTRAIN_PROGRESS_EVERY` seconds, naming it.
+PHASES = {"start": "layer 1: the closed-form start (fit)", "inputs": "refine layer 1: the student and its inputs",
+          "solve": "refine layer 1: the output solve"}
+
+
+@pytest.mark.parametrize("pause", sorted(PHASES))
+def test_no_phase_of_a_layer_is_silent(tmp_path, pause):
+    every = 0.25
+    argv = [str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens",
+            "2048", "--refine", "--refine-steps", "30", "--threads", "1", "--out", str(tmp_path / "out")]
+    # pause once, at the phase's first moment in layer 0 (the hook pauses at its first occurrence),
+    # and wait until layer 1 to look: "layer 1" is named below because the pause is skipped there
+    lines = _timed_lines(argv, {"UPTRAIN_PROGRESS_EVERY": str(every), "UPTRAIN_TEST_PAUSE_AT": f"{pause}:3"})
+    said = [t for t, line in lines if line.strip().startswith(PHASES[pause].replace("layer 1", "layer 0"))
+            and "still working" in line]
+    assert len(said) >= 3, [line for _, line in lines]  # 3 s of pause: a line every ~0.25 s
+    layers = [t for t, line in lines if LINE.match(line.strip())]
+    gaps = [b - a for (a, _), (b, _) in zip(lines, lines[1:]) if layers[0] - 5 <= a <= layers[-1]]
+    assert max(gaps) < every + 1.0, max(gaps)  # (slack for a loaded machine; without the heartbeat: 3 s)
+
+
+def test_a_layer_that_stops_early_says_so_at_once(tmp_path):
+    """Before: the last line read "step 200/400 ... ~361 s left in this layer" while the layer had
+    stopped early and gone on to its output solve. An lr far too high makes every layer stop early."""
+    argv = [str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens",
+            "2048", "--refine", "--refine-steps", "400", "--refine-lr", "3", "--threads", "1", "--out", str(tmp_path / "o")]
+    lines = [line for _, line in _timed_lines(argv, {"UPTRAIN_PROGRESS_EVERY": "100"})]
+    done = [re.search(r"refine layer (\d+): held-out error \S+ -> \S+ \((\d+) steps", line) for line in lines]
+    early = {m[1] for m in done if m and int(m[2]) < 400}
+    assert early, lines
+    for layer in early:
+        at = next(i for i, m in enumerate(done) if m and m[1] == layer)
+        assert re.match(rf"refine layer {layer}: stopped early at step \d+/400 .*the output solve", lines[at - 1]), lines

@@ -201,11 +201,12 @@ def show_progress(progress: Callable[[str], None] | None, layerwise: Any, refine
     a shared stream stay silent: one stream for several counts)."""
     if progress is None or layerwise is None:
         return
-    layerwise.on_layer = layer_progress(layers, progress)
+    layerwise.on_layer = log = layer_progress(layers, progress)  # every line through it: the heartbeat hears them
     if refiner is not None:
-        refiner.progress = lambda index: step_lines(index, progress)
+        refiner.progress = lambda index: step_lines(index, log.note)
+        refiner.phases = log.phase
     if isinstance(calibration, Calibration):
-        calibration.progress = lambda what, total: sequence_progress(what, total, progress)
+        calibration.progress = lambda what, total: sequence_progress(what, total, log.note)
 
 
 @dataclass

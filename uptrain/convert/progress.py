@@ -4,6 +4,11 @@ The one format of every command that converts layer by layer: `<line> [k/N layer
 the time left extrapolated from the mean time per layer so far. Inside a layer (a 7B layer's
 refinement takes an hour on a CPU) a line at most every ~10 s (`throttled`, `progress_every`):
 `refine layer 3: step 120/400, ...` and `calibrate layer 3: sequence 40/128, ~12 s left in this layer`.
+
+Never silent: the phases of a layer without steps to count (the closed-form start, the refinement's
+inputs and its held-out measurements, the output solve, writing: minutes each at 7B width on a CPU)
+run inside `log.phase(what)`; while one runs, a line `<what>: still working, N s in it` comes
+whenever `progress_every()` seconds pass with no line (`Heartbeat`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 def print_line(line: str) -> None:
@@ -19,12 +25,59 @@ def print_line(line: str) -> None:
     print(line, flush=True)
 
 
+class Heartbeat:
+    """A line through `write` whenever `every` seconds pass with no line while a phase runs
+    (`phase(what)`, a context manager; phases may nest: the innermost is named). Lines written
+    through `said` count as lines. One daemon thread, started at the first phase."""
+
+    def __init__(self, write: Callable[[str], None], every: float | None = None, indent: str = ""):
+        self.write, self.indent = write, indent
+        self.every = progress_every() if every is None else every
+        self.last = time.monotonic()
+        self._phases: list[tuple[str, float]] = []  # (what, since)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def said(self, line: str) -> None:
+        """Write `line` (a line of the command's own): the silence starts again."""
+        with self._lock:
+            self.last = time.monotonic()
+        self.write(line)
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        with self._lock:
+            self._phases.append((what, time.monotonic()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="uptrain-heartbeat", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._phases.pop()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, max(self.every / 4, 0.01)))
+            with self._lock:
+                now = time.monotonic()
+                if not self._phases or now - self.last < self.every:
+                    continue
+                what, since = self._phases[-1]
+                self.last = now
+            self.write(f"{self.indent}{what}: still working, {now - since:.0f} s in it")
+
+
 def layer_progress(layers: int, write: Callable[[str], None] = print_line, indent: str = ""
                    ) -> Callable[[str], None]:
     """A per-layer log: each call is one more of `layers` layers done; it writes
     `<indent><line> [k/N layers, ~S s left]`. The clock starts when it is made, or at its
-    `begin()` (called as the first layer starts: the time left then leaves out imports and planning)."""
+    `begin()` (called as the first layer starts: the time left then leaves out imports and planning).
+    Its `phase(what)` runs a phase of a layer that has no steps to count (`Heartbeat`)."""
     began, done, kept, lock = [time.monotonic()], [0], [0], threading.Lock()
+    beat = Heartbeat(write, indent=indent)
+    write = beat.said
 
     def log(line: str) -> None:
         with lock:  # a sweep's K/V counts may share one printer from several threads
@@ -51,6 +104,7 @@ def layer_progress(layers: int, write: Callable[[str], None] = print_line, inden
     # a line inside a layer (refinement steps, calibration sequences): written as it is, no layer counted
     log.note = lambda line: write(f"{indent}{line}")  # type: ignore[attr-defined]
     log.steps = lambda index: step_lines(index, log.note)  # type: ignore[attr-defined]  # (LayerRefiner)
+    log.phase = beat.phase  # type: ignore[attr-defined]
     return log
 
 
@@ -98,6 +152,10 @@ def step_lines(index: int, write: Callable[[str], None], every: float | None = N
     show = throttled(write, every)
 
     def line(p) -> None:
+        if getattr(p, "stopped", False):  # the time left shown before is void: say so at once
+            write(f"refine layer {index}: stopped early at step {p.step}/{p.steps} (best held-out error "
+                  f"{p.best_error:.4f}); the output solve and the final measurement next")
+            return
         show(f"refine layer {index}: step {p.step}/{p.steps}, held-out error {p.held_out_error:.4f}, "
              f"~{p.seconds_left:.0f} s left in this layer")
     line.every = every  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ The Python API (`convert`, the demo; no `install()`): a KeyboardInterrupt in the
 
 Test hook: UPTRAIN_TEST_PAUSE_AT="PHASE[:SECONDS]" makes `pause(PHASE)` print 'paused at PHASE'
 on stderr the first time the run reaches PHASE and wait SECONDS (default 60) or until stopped.
-Phases: import, plan, copy (the kept tensors, also while planning), calibrate, refine, write
+Phases: import, plan, copy (the kept tensors, also while planning), calibrate, start (a layer's closed-form start), inputs (a refinement's student and inputs), refine, solve (its output solve), write
 (building and writing shards), kept-K (layer K of a layer-at-a-time conversion kept for a rerun:
 `convert/io/kept_layers.py`; keeping-K: just before it is), rename (just before the folder is put in place).
 """

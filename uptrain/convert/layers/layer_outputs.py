@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -171,8 +172,11 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     gamma = [ts[f"{k}#{j}"].reshape(-1) for k in weights for j in range(len(layer_norms[k].sources))]
     if change.method == "fit" and gamma and sum(x.numel() for x in gamma) == d.kv_heads * hd:  # a row per K/V head
         projections["knorm.weight"] = torch.cat(gamma).reshape(d.kv_heads, hd)
-    start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings, layer,
-                            layout)
+    named = getattr(settings.on_layer, "phase", None)  # never silent: a line while it runs (`progress.Heartbeat`)
+    with named(f"layer {_layer_number(layer)}: the closed-form start ({change.method})") if named else nullcontext():
+        at_once.pause("start")
+        start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings, layer,
+                                layout)
     merged = start.pop("knorm.weight", None)
     for key, output in layer_norms.items():  # the planned pooling of the norm, where the fit did not merge it
         start[key] = output.make([ts[f"{key}#{j}"] for j in range(len(output.sources))]).to(output.spec.dtype)
@@ -185,6 +189,12 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
         settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
     return done
+
+
+def _layer_number(prefix: str) -> int:
+    from uptrain.convert.layers.calibrate import layer_index
+
+    return layer_index(prefix)
 
 
 def _head_number(key: str) -> tuple[int, ...]:

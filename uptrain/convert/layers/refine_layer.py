@@ -28,6 +28,7 @@ attention) advances them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from uptrain.convert.layers.time_estimate import (conversion_seconds, probe_laye
 from uptrain.convert.registry.architectures import Family
 from uptrain.convert.registry.choices import REFINE_INPUTS, REFINE_NOT_RANDOM
 from uptrain.errors import UsageError
+from uptrain.stopping import at_once
 
 
 
@@ -156,6 +158,8 @@ class LayerRefiner:
     # layer index -> its `refine_attention` progress callback (`progress.step_lines`: a line every ~10 s,
     # a 7B layer takes an hour on a CPU), set by `pipeline.prepare`; None: `settings.log.steps` where it has one
     progress: Callable[[int], Callable[[refine.RefineProgress], None]] | None = field(default=None, repr=False)
+    # what -> a context manager naming a phase without steps (`progress.Heartbeat`); None: the log's, if any
+    phases: Callable[[str], Any] | None = field(default=None, repr=False)
     # `--refine-inputs converted`: the float32 parameters of the layer refined last (kept with the layer)
     last_state: dict[str, Tensor] | None = field(default=None, repr=False)
 
@@ -205,14 +209,18 @@ class LayerRefiner:
             raise UsageError(f"--refine needs the layer-by-layer calibration, which this model cannot do "
                              f"({self.calibration.record.get('why_not_streamed')}); convert without --refine")
         original = self.calibration.layer(layer, self.user)
-        student = _student(original, self.config, self.family, start, original.device)
-        inputs, call, targets = self._examples(original)
+        phase = self._phase(original.index)
+        with phase("the student and its inputs"):
+            at_once.pause("inputs")
+            student = _student(original, self.config, self.family, start, original.device)
+            inputs, call, targets = self._examples(original)
         if len(inputs) < 2:
             raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
                              f"{len(inputs)}; raise --calib-tokens or use more documents")
         result = refine.refine_attention(student, call, inputs, targets, steps=self.settings.steps,
                                          lr=self.settings.lr, seed=self.settings.seed,
-                                         documents=self.calibration.documents, **self._progress(original.index))
+                                         documents=self.calibration.documents, **self._progress(original.index),
+                                         phase=phase)
         if self._converted is not None:  # this layer converted: its outputs enter the next one
             original.run_with(student, self._converted)
             # kept with the layer (`io/kept_layers.py`): a rerun advances the activations exactly so
@@ -245,6 +253,14 @@ class LayerRefiner:
         self.last_line = f"refine layer {original.index}: kept from the interrupted run{errors}"
         if self.settings.log:
             self.settings.log(self.last_line)
+
+    def _phase(self, index: int) -> Callable[[str], Any]:
+        """Layer `index`'s phases without steps, named (`progress.Heartbeat` through the log's `phase`:
+        a line whenever ~10 s pass with none); a no-op where nobody shows progress."""
+        named = self.phases or getattr(self.settings.log, "phase", None)
+        if named is None:
+            return lambda what: contextlib.nullcontext()
+        return lambda what: named(f"refine layer {index}: {what}")
 
     def _progress(self, index: int) -> dict[str, Any]:
         """`refine_attention`'s progress keywords for layer `index` (none where nobody shows them)."""

@@ -35,7 +35,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +101,7 @@ class RefineProgress:
     seconds: float  # spent in this layer's descent so far
     seconds_left: float
     measured: bool  # called right after a held-out measurement
+    stopped: bool = False  # the held-out rule stopped the descent at this step (the time left is void)
 
 
 def relative_error(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], targets: Sequence[Tensor],
@@ -258,6 +259,8 @@ def _descend(student: nn.Module, call: AttentionCall, inputs: Sequence[Tensor], 
             o["progress"](RefineProgress(step, steps, err, best, now - began, (steps - step) * (now - began) / step,
                                          measured))
         if bad >= o["patience"]:
+            if o["progress"] is not None and step < steps:
+                o["progress"](RefineProgress(step, steps, err, best, now - began, 0.0, measured, stopped=True))
             return best_state, best, best_step, step, step < steps, history
     return best_state, best, best_step, step, False, history
 
@@ -271,6 +274,7 @@ def _solve_and_keep(student: nn.Module, call: AttentionCall, inputs: Sequence[Te
     if proj is None:
         return None, False
     before = {k: p.detach().clone() for k, p in proj.named_parameters()}
+    at_once.pause("solve")
     solve_output(proj, lambda i: call(student, inputs[i], i), targets, train)
     err = relative_error(student, call, inputs, targets, held)
     if _improves(err, best, o["min_delta"], o["atol"]):
@@ -287,7 +291,8 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
                      min_delta: float = MIN_DELTA, atol: float = ATOL, documents: Sequence[int] | None = None,
                      min_holdout_tokens: int = MIN_HOLDOUT_TOKENS, schedule: str = "cosine",
                      progress: Callable[[RefineProgress], None] | None = None,
-                     progress_every: float = PROGRESS_EVERY) -> RefineResult:
+                     progress_every: float = PROGRESS_EVERY,
+                     phase: Callable[[str], AbstractContextManager] | None = None) -> RefineResult:
     """Tune `student`'s parameters in place so that call(student, inputs[i], i) ≈ targets[i].
 
     inputs[i]: [T_i, D] attention-module input of calibration sequence i (after the layer's input
@@ -297,6 +302,8 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
     schedule: "cosine" (warm-up, cosine decay, then the output solve) or "constant" (the optimiser
     before issue 43: a constant rate, no solve; for comparisons). progress: called with a
     `RefineProgress` at most every `progress_every` seconds (wall) and after each held-out measurement.
+    phase: a context manager per phase without steps (the held-out error of the start, the output
+    solve, the training error after), named for what it does (`progress.Heartbeat`: never silent).
     Returns the errors before and after.
     """
     n = len(inputs)
@@ -313,9 +320,11 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
     held, train = split_held_out(lengths, documents, holdout_fraction, min_holdout_tokens, seed)
     was_training = student.training
     student.eval()  # no dropout: the target is the deterministic original output
+    phase = phase or (lambda what: nullcontext())
     with _flushing_denormals():
-        before_h = relative_error(student, call, inputs, targets, held)
-        before_t = relative_error(student, call, inputs, targets, train)
+        with phase("the start's error on the calibration sequences"):
+            before_h = relative_error(student, call, inputs, targets, held)
+            before_t = relative_error(student, call, inputs, targets, train)
         best, best_step, step, stopped, history, solved, kept = before_h, 0, 0, False, [], None, False
         if before_h > atol and steps > 0:
             state, best, best_step, step, stopped, history = _descend(student, call, inputs, targets, held, train,
@@ -324,9 +333,11 @@ def refine_attention(student: nn.Module, call: AttentionCall, inputs: Sequence[T
                 for k, p in student.named_parameters():
                     p.copy_(state[k])
             if schedule == "cosine":
-                solved, kept = _solve_and_keep(student, call, inputs, targets, held, train, best, o)
+                with phase("the output solve (least squares in float64)"):
+                    solved, kept = _solve_and_keep(student, call, inputs, targets, held, train, best, o)
                 best = solved if kept else best
-        after_t = relative_error(student, call, inputs, targets, train)
+        with phase("the refined layer's error on the training sequences"):
+            after_t = relative_error(student, call, inputs, targets, train)
     student.train(was_training)
     return RefineResult(before_h, best, before_t, after_t, step, best_step, stopped,
                         round(time.perf_counter() - start, 3), held, sum(lengths[i] for i in held),
