@@ -360,7 +360,10 @@ def prepare_out(out: Path) -> None:
                              "(the demo replaces only its own folders)")
         for entry in out.iterdir():
             if not (entry.is_dir() and entry.name.startswith(".") and ".layers-" in entry.name):
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARK).write_text("made by python -m uptrain.demo; replaced whole by the next demo into it\n")
 

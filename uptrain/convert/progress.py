@@ -6,7 +6,7 @@ refinement takes an hour on a CPU) a line at most every ~10 s (`throttled`, `pro
 `refine layer 3: step 120/400, ...` and `calibrate layer 3: sequence 40/128, ~12 s left in this layer`.
 
 Never silent: the phases of a layer without steps to count (the closed-form start, the refinement's
-inputs and its held-out measurements, the output solve, writing: minutes each at 7B width on a CPU)
+inputs and its held-out measurements, the output solve: minutes each at 7B width on a CPU)
 run inside `log.phase(what)`; while one runs, a line `<what>: still working, N s in it` comes
 whenever `progress_every()` seconds pass with no line (`Heartbeat`).
 """

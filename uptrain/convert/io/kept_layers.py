@@ -152,7 +152,10 @@ class KeptLayers:
             os.replace(tmp, path)
         except BaseException as err:
             tmp.unlink(missing_ok=True)
-            raise _as_os_error(err, tmp) from err
+            system = _as_os_error(err, tmp)
+            if system is err:
+                raise
+            raise system from err
         directory = os.open(self.folder, os.O_RDONLY)
         try:
             os.fsync(directory)
