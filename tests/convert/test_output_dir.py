@@ -138,3 +138,29 @@ def test_exchange_paths_swaps_two_folders(tmp_path):
     if not exchange_paths(a, b):
         pytest.skip("no renameat2(RENAME_EXCHANGE) here: the two-step path is used (tested above)")
     assert (a / "name.txt").read_text() == "b" and (b / "name.txt").read_text() == "a"
+
+
+def test_the_write_check_is_not_fooled_by_a_folder_removed_while_it_runs(tmp_path):
+    """Another process may remove the folder the check probes (the trainer's process 0 removes the
+    run_dir it made to test that every process shares it, while the others check it): not a refusal.
+    Before: "run_dir ...: cannot write in ... (No such file or directory)", exit 2 on one rank."""
+    import random
+    import shutil
+    import threading
+
+    from uptrain.convert.io.output_dir import check_writable
+
+    rng = random.Random(0)
+    run = tmp_path / "a" / "run"
+    refused = 0
+    for _ in range(400):
+        run.mkdir(parents=True, exist_ok=True)
+        remover = threading.Timer(rng.uniform(0, 1e-4), shutil.rmtree, args=(tmp_path / "a",),
+                                  kwargs={"ignore_errors": True})
+        remover.start()
+        try:
+            check_writable(run, "run_dir")
+        except UsageError:
+            refused += 1
+        remover.join()
+    assert refused == 0

@@ -28,7 +28,8 @@ def print_line(line: str) -> None:
 class Heartbeat:
     """A line through `write` whenever `every` seconds pass with no line while a phase runs
     (`phase(what)`, a context manager; phases may nest: the innermost is named). Lines written
-    through `said` count as lines. One daemon thread, started at the first phase."""
+    through `said` count as lines. One daemon thread, started at the first phase; none with
+    `every` 0 (UPTRAIN_PROGRESS_EVERY=0: a line per step and sequence, the tests' setting)."""
 
     def __init__(self, write: Callable[[str], None], every: float | None = None, indent: str = ""):
         self.write, self.indent = write, indent
@@ -48,7 +49,7 @@ class Heartbeat:
     def phase(self, what: str) -> Iterator[None]:
         with self._lock:
             self._phases.append((what, time.monotonic()))
-            if self._thread is None:
+            if self._thread is None and self.every > 0:  # (0: a line per step and sequence, for tests; no beat)
                 self._thread = threading.Thread(target=self._watch, name="uptrain-heartbeat", daemon=True)
                 self._thread.start()
         try:

@@ -52,15 +52,22 @@ def check_writable(out: Path, what: str = "--out") -> None:
     folder above it: a hidden folder is made and removed there (and inside `out`, when it is an
     existing folder that is written into: the sweep's, a run folder)."""
     out = Path(os.path.abspath(out))
-    place = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p == p.parent)
-    if not place.is_dir():
-        raise UsageError(f"{what} {out}: {place} is a file, not a folder; choose another path")
-    for folder in (place, out) if out.is_dir() else (place,):
+    for _ in range(10):  # a folder that vanishes meanwhile (another process's check removing what it made): again
+        place = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p == p.parent)
+        if not place.is_dir():
+            raise UsageError(f"{what} {out}: {place} is a file, not a folder; choose another path")
         try:
-            os.rmdir(tempfile.mkdtemp(prefix=".uptrain-write-check-", dir=folder))
-        except OSError as err:
-            raise UsageError(f"{what} {out}: cannot write in {folder} ({err.strerror}); choose a folder you "
-                             f"can write to") from None
+            for folder in (place, out) if out.is_dir() else (place,):
+                try:
+                    os.rmdir(tempfile.mkdtemp(prefix=".uptrain-write-check-", dir=folder))
+                except FileNotFoundError:
+                    raise
+                except OSError as err:
+                    raise UsageError(f"{what} {out}: cannot write in {folder} ({err.strerror}); choose a folder "
+                                     f"you can write to") from None
+            return
+        except FileNotFoundError:
+            continue
 
 
 def _pid_alive(pid: int) -> bool:
