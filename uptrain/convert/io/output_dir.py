@@ -55,6 +55,8 @@ def check_writable(out: Path, what: str = "--out") -> None:
     for _ in range(10):  # a folder that vanishes meanwhile (another process's check removing what it made): again
         place = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p == p.parent)
         if not place.is_dir():
+            if not place.exists():  # removed since it was found: look again
+                continue
             raise UsageError(f"{what} {out}: {place} is a file, not a folder; choose another path")
         try:
             for folder in (place, out) if out.is_dir() else (place,):
