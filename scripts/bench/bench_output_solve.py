@@ -27,26 +27,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from uptrain.convert.math.output_solve import solve_linear, solve_output  # noqa: E402
-
-
-@torch.no_grad()
-def solve_output_float32(proj: nn.Linear, run, targets: list[torch.Tensor], indices) -> None:
-    """Tried: `solve_output` with each sequence's products in float32, summed in float64."""
-    seen: list[torch.Tensor] = []
-    handle = proj.register_forward_pre_hook(lambda _mod, args: seen.append(args[0]))
-    gram = cross = None
-    try:
-        for i in indices:
-            run(i)
-            z = seen.pop().reshape(-1, proj.in_features).float()
-            t = targets[i].reshape(-1, proj.out_features).to(z)
-            zz, zt = (z.T @ z).double(), (z.T @ t).double()
-            gram = zz if gram is None else gram + zz
-            cross = zt if cross is None else cross + zt
-    finally:
-        handle.remove()
-    proj.weight.copy_(solve_linear(gram, cross, proj.weight.double()).to(proj.weight.dtype))
+from uptrain.convert.math.output_solve import solve_output  # noqa: E402
 
 
 def main() -> int:
@@ -79,9 +60,8 @@ def main() -> int:
         torch.manual_seed(0)  # the same start (the ridge pulls towards it) for both
         proj = nn.Linear(n, n, bias=False)
         inputs, targets = [z for z, _ in train], [y for _, y in train]
-        solve = solve_output if name == "float64" else solve_output_float32
         began = time.perf_counter()  # each runs the projection on every sequence, as the refinement's solve does
-        solve(proj, lambda i: proj(inputs[i]), targets, range(len(train)))
+        solve_output(proj, lambda i: proj(inputs[i]), targets, range(len(train)), products=getattr(torch, name))
         row[f"{name}_seconds"] = round(time.perf_counter() - began, 2)
         with torch.no_grad():
             err = sum(float((proj(z) - y).pow(2).sum()) for z, y in held) / sum(float(y.pow(2).sum()) for _, y in held)

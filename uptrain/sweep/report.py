@@ -85,7 +85,7 @@ def _fidelity_cells(p) -> list[str]:
         return ["-", "-", "-"]
     from uptrain.measure.fidelity import greedy_cell
 
-    greedy = greedy_cell(p.greedy_agreement, getattr(p, "greedy_agreement_se", None))
+    greedy = greedy_cell(p.greedy_agreement, p.greedy_agreement_se)
     return [f"{p.kl_to_source:.4f}", f"{p.top1_agreement:.1%}", greedy]
 
 
@@ -103,7 +103,7 @@ def report(args, points: list, method: str, vocab_size: int, start_note: str | N
     print(format_table(["model", "K/V heads", "loss", "perplexity", "vs source", "KL to source", "top-1 agr.",
                         "greedy agr.", "KV / token", f"KV at {source.settings['context']:,} tokens x {args.batch}",
                         "KV reduction", *extra_headers], [row + extra for row, extra in zip(rows, extra_cells)]))
-    if any(getattr(p, "greedy_agreement_se", None) is not None for p in points):
+    if any(p.greedy_agreement_se is not None for p in points):
         from uptrain.measure.fidelity import GREEDY_SE_NOTE
 
         print(f"greedy agr.: {GREEDY_SE_NOTE}")

@@ -165,6 +165,8 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
                 layers: int) -> dict[str, torch.Tensor]:
     """One layer made: its start (`transform_layer`, the key norms carrying K/V heads as the fit
     merged them or as planned), refined where `--refine` asks."""
+    from uptrain.convert.layers.calibrate import layer_index
+
     settings, d = change.layerwise, change.dims
     projections = {k: v for k, v in ts.items() if not k.startswith("norm:")}
     weights = sorted((k for k in layer_norms if k.endswith(".weight")), key=_head_number)
@@ -173,7 +175,7 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     if change.method == "fit" and gamma and sum(x.numel() for x in gamma) == d.kv_heads * hd:  # a row per K/V head
         projections["knorm.weight"] = torch.cat(gamma).reshape(d.kv_heads, hd)
     named = getattr(settings.on_layer, "phase", None)  # never silent: a line while it runs (`progress.Heartbeat`)
-    with named(f"layer {_layer_number(layer)}: the closed-form start ({change.method})") if named else nullcontext():
+    with named(f"layer {layer_index(layer)}: the closed-form start ({change.method})") if named else nullcontext():
         at_once.pause("start")
         start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings, layer,
                                 layout)
@@ -189,12 +191,6 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
         settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
     return done
-
-
-def _layer_number(prefix: str) -> int:
-    from uptrain.convert.layers.calibrate import layer_index
-
-    return layer_index(prefix)
 
 
 def _head_number(key: str) -> tuple[int, ...]:

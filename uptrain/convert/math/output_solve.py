@@ -60,23 +60,25 @@ def output_projection(module: nn.Module, run: Callable[[], Tensor]) -> nn.Linear
 
 @torch.no_grad()
 def solve_output(proj: nn.Linear, run: Callable[[int], Tensor], targets: Sequence[Tensor], indices: Sequence[int],
-                 ridge: float = RIDGE) -> None:
+                 ridge: float = RIDGE, products: torch.dtype = torch.float64) -> None:
     """Set `proj` to the least-squares fit of targets[i] [T_i, m] from its own inputs z [T_i, n] (and a 1
     for the bias, where it has one) on the sequences `indices`; run(i) runs the module that holds
     `proj` on sequence i (its output unused: `proj`'s inputs are what it gives). ZᵀZ and ZᵀY are summed
-    over the sequences in float64, then `solve_linear` (ridge towards the current weights)."""
+    over the sequences in float64, then `solve_linear` (ridge towards the current weights). products:
+    the dtype of each sequence's products (float32 was tried and not adopted: results/output-solve.json)."""
     seen: list[Tensor] = []
     handle = proj.register_forward_pre_hook(lambda _mod, args: seen.append(args[0]))
     gram = cross = None
     try:
         for i in indices:
             run(i)
-            z = seen.pop().reshape(-1, proj.in_features).double()
+            z = seen.pop().reshape(-1, proj.in_features).to(products)
             if proj.bias is not None:
                 z = torch.cat([z, torch.ones_like(z[:, :1])], 1)
             t = targets[i].reshape(-1, proj.out_features).to(z)
-            gram = z.T @ z if gram is None else gram + z.T @ z
-            cross = z.T @ t if cross is None else cross + z.T @ t
+            zz, zt = (z.T @ z).double(), (z.T @ t).double()
+            gram = zz if gram is None else gram + zz
+            cross = zt if cross is None else cross + zt
     finally:
         handle.remove()
     if gram is None:
