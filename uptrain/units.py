@@ -38,3 +38,10 @@ def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_pe
     """KV-cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x bytes (an int for
     whole-byte dtypes; bytes_per_element may be fractional, as llama.cpp's q8_0 cache: 34 bytes per 32)."""
     return 2 * layers * kv_heads * head_dim * bytes_per_element
+
+
+def human_seconds(s: float) -> str:
+    """12.3 -> '12.3 s', 750 -> '12.5 min', 360000 -> '100 h'."""
+    if s < 60:
+        return f"{s:.3g} s"
+    return f"{s / 60:.3g} min" if s < 3600 else f"{s / 3600:,.3g} h" if s < 360000 else f"{s / 3600:,.0f} h"

@@ -44,7 +44,8 @@ def test_layers_kept_by_an_interrupted_run_count_as_done_but_not_in_the_rate(mon
 
 @pytest.mark.parametrize(("argv", "what"), [
     (["--method", "fit"], r"layer \d converted \(fit\)"),
-    (["--refine", "--refine-steps", "2"], r"refine layer \d: held-out error [\d.]+ -> [\d.]+ \(\d+ steps, [\d.]+ s\)"),
+    (["--refine", "--refine-steps", "2"], r"refine layer \d: held-out error [\d.]+ -> [\d.]+ \(\d+ steps, [\d.]+ s\); "
+                                          r"(within the plan \(.*\)|slower than planned: .*)"),
 ])
 def test_convert_prints_a_line_per_layer_with_the_time_left(argv, what, tmp_path, capsys, one_torch_thread):
     assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--calib", str(TRAIN_TXT), "--calib-tokens", "600", *argv,
@@ -113,3 +114,23 @@ def test_a_layer_that_stops_early_says_so_at_once(tmp_path):
     for layer in early:
         at = next(i for i, m in enumerate(done) if m and m[1] == layer)
         assert re.match(rf"refine layer {layer}: stopped early at step \d+/400 .*the output solve", lines[at - 1]), lines
+
+
+AGAINST = re.compile(r"refine layer (\d): .*; slower than planned: at this pace up to ([\d.]+) s, ([\d.]+)x the "
+                     r"plan's ([\d.]+) s; load [\d.]+ when planned, [\d.]+ now \[")
+
+
+def test_a_run_slower_than_its_plan_says_so_on_the_layer_line(tmp_path):
+    """The plan's bound assumes the machine stays as it was while planning. Here layer 0 is held 6 s
+    after planning (the hook at its inputs: as if the load rose mid-run), far over the bound of a
+    30-step refinement: its line must say the run is slower than planned, by how much, with the
+    loads. Red with `_against_plan` returning ''."""
+    argv = [str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT), "--calib-tokens",
+            "2048", "--refine", "--refine-steps", "30", "--threads", "1", "--out", str(tmp_path / "out")]
+    lines = [line for _, line in _timed_lines(argv, {"UPTRAIN_PROGRESS_EVERY": "100", "UPTRAIN_TEST_PAUSE_AT": "inputs:6"})]
+    bound = next(line for line in lines if line.startswith("calibration + refinement"))
+    assert re.search(r"load [\d.]+ on \d+ CPUs\), assuming it stays so", bound), bound
+    first = next(m for line in lines if (m := AGAINST.search(line)))
+    assert first[1] == "0", lines
+    projected, ratio, planned = float(first[2]), float(first[3]), float(first[4])
+    assert projected > planned and ratio > 1.0 and projected >= 6.0, first[0]  # the 6 s are in it

@@ -9,16 +9,19 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import EXAMPLE_MHA8, TRAIN_TXT
 from families import GQA_TYPES, tiny_config
 from uptrain.convert.__main__ import main
-from uptrain.convert.layers.time_estimate import conversion_seconds, probe_layer_forward
+from uptrain.convert.layers.time_estimate import conversion_seconds, pace, pace_note, probe_layer_forward
 from uptrain.convert.math import refine
 from uptrain.convert.plan import conversion_time
 
 ROW = re.compile(r"^calibration \+ refinement +up to ([\d.,]+) (s|min|h) \(calibration ~([\d.,]+) (s|min|h), "
-                 r"refinement at most ([\d.,]+) (s|min|h); measured on this machine at its present load\)$")
+                 r"refinement at most ([\d.,]+) (s|min|h); measured on this machine at its present load "
+                 r"\(1-minute load [\d.]+ on \d+ CPUs\), assuming it stays so: each refined layer's line checks "
+                 r"the run against it\)$")
 
 
 def test_the_bound_counts_the_steps_and_every_forward_without_gradients():
@@ -31,7 +34,8 @@ def test_the_bound_counts_the_steps_and_every_forward_without_gradients():
     assert b["total"] == pytest.approx(b["calibration"] + b["refinement"])
     assert conversion_seconds(probe, None, 10, 3, 80, 4)["calibration"] == 0
     assert conversion_time({"total": 90.0, "calibration": 10.0, "refinement": 80.0}) == \
-        ("up to 1.5 min (calibration ~10 s, refinement at most 1.33 min; measured on this machine at its present load)")
+        ("up to 1.5 min (calibration ~10 s, refinement at most 1.33 min; measured on this machine at its present "
+         "load, assuming it stays so: each refined layer's line checks the run against it)")
 
 
 def test_a_refining_conversion_takes_at_most_one_and_a_half_times_the_planned_bound(tmp_path, capsys,
@@ -49,6 +53,30 @@ def test_a_refining_conversion_takes_at_most_one_and_a_half_times_the_planned_bo
     assert bound["calibration"] > 0 and bound["refinement"] > record["refinement"]["probe"]["seconds_at_most"]
     actual = record["calibration"]["seconds"] + sum(x["seconds_with_setup"] for x in record["refinement"]["layers"])
     assert actual <= 1.5 * bound["total"], (actual, bound)
+
+
+def test_the_pace_projects_every_layer_still_to_come_at_the_slowest_layer_so_far():
+    """`pace` over many random and structured runs: exact where every layer took the same time and
+    the calibration's passes are even; never below what a run at the slowest pace so far would take;
+    and `pace_note` says 'within the plan' exactly where the projection is under the bound."""
+    gen = torch.Generator().manual_seed(0)
+    for layers in (1, 2, 5, 32, 40, 64, 80):
+        for _ in range(25):
+            done = int(torch.randint(1, layers + 1, (1,), generator=gen))
+            made = (torch.rand(done, generator=gen) * 10 + 0.1).tolist()
+            calibration = float(torch.rand(1, generator=gen)) * 5
+            spent = calibration + sum(made)
+            projected = pace(spent, calibration, made, layers)
+            slowest_run = spent + (layers - done) * (max(made) + calibration / (done + 1))
+            assert projected == pytest.approx(slowest_run)
+            assert projected >= spent and (done < layers or projected == pytest.approx(spent))
+            even = pace((done + 1) * 0.5 + done * 2.0, (done + 1) * 0.5, [2.0] * done, layers)
+            assert even == pytest.approx((layers + 1) * 0.5 + layers * 2.0)  # the whole run at this pace
+            bound = float(torch.rand(1, generator=gen)) * 2 * projected + 1e-3
+            note = pace_note(spent, projected, bound, 1.0, 3.0)
+            assert note.startswith("within the plan") == (projected <= bound), (note, projected, bound)
+            assert ("load 1.0 when planned, 3.0 now" in note) == (projected > bound)
+    assert pace(5.0, 1.0, [], 10) == 5.0  # nothing refined yet: nothing to project from
 
 
 @pytest.mark.parametrize("model_type", sorted(t for t in GQA_TYPES if t != "falcon"))  # falcon: refused

@@ -12,7 +12,7 @@ import torch
 
 from uptrain import __version__
 from uptrain.convert.registry.architectures import Family
-from uptrain.units import kv_cache_bytes_per_token
+from uptrain.units import human_seconds, kv_cache_bytes_per_token  # noqa: F401 (human_seconds: imported from here too)
 from uptrain.convert.io.hfconfig import AttentionDims
 from uptrain.convert.tensors import OutputTensor
 
@@ -116,13 +116,6 @@ def cache_change(plan: ConversionPlan) -> str:
     return f"{plan.kv_reduction:.1f}x smaller"
 
 
-def human_seconds(s: float) -> str:
-    """12.3 -> '12.3 s', 750 -> '12.5 min', 360000 -> '100 h'."""
-    if s < 60:
-        return f"{s:.3g} s"
-    return f"{s / 60:.3g} min" if s < 3600 else f"{s / 3600:,.3g} h" if s < 360000 else f"{s / 3600:,.0f} h"
-
-
 def refine_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The plan's rows on what a refinement holds out and how long it may take (`refine_layer.LayerRefiner.plan`)."""
     rows = []
@@ -146,7 +139,8 @@ def refine_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
                                     + ("; on a GPU: --device cuda" if probe["device"] == "cpu" else "")))
     bound = (probe or {}).get("bound_s")
     if bound:
-        rows.append(("calibration + refinement", conversion_time(bound)))
+        rows.append(("calibration + refinement", conversion_time({**bound, "load_1min": probe.get("load_1min"),
+                                                                  "cpus": probe.get("cpus")})))
     return rows
 
 
@@ -155,8 +149,11 @@ def conversion_time(bound: dict[str, Any]) -> str:
     conversion's calibration and refinement (`layers/time_estimate.py`), measured while planning."""
     calibration = (f"calibration not measured: {bound['calibration_not_measured']}" if "calibration_not_measured"
                    in bound else f"calibration ~{human_seconds(bound['calibration'])}")
+    load = (f" (1-minute load {bound['load_1min']:.1f} on {bound['cpus']} CPUs)"
+            if bound.get("load_1min") is not None and bound.get("cpus") else "")
     return (f"up to {human_seconds(bound['total'])} ({calibration}, refinement at most "
-            f"{human_seconds(bound['refinement'])}; measured on this machine at its present load)")
+            f"{human_seconds(bound['refinement'])}; measured on this machine at its present load{load}, "
+            f"assuming it stays so: each refined layer's line checks the run against it)")
 
 
 def format_plan(plan: ConversionPlan) -> str:

@@ -130,7 +130,7 @@ def report(args, points: list, method: str, vocab_size: int, start_note: str | N
 def print_estimate(plans: dict, score_s: float) -> None:
     """The sweep's plan: what the conversions will take at most (refine's measured step time, as the
     converter's plan states it for one count) and the scoring, from the source's own scoring time."""
-    from uptrain.convert.plan import human_seconds
+    from uptrain.units import human_seconds
 
     refine = [p.refinement["probe"].get("seconds_at_most") for p in plans.values() if p.refinement]
     parts = []

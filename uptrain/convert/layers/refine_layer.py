@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,8 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from uptrain.convert.math import refine
-from uptrain.convert.layers.time_estimate import (conversion_seconds, probe_layer_forward, probe_refine,
-                                                probe_seconds_per_step)  # noqa: F401 (imported from here too)
+from uptrain.convert.layers.time_estimate import (conversion_seconds, load_1min, pace, pace_note, probe_layer_forward,
+                                                probe_refine, probe_seconds_per_step)  # noqa: F401 (imported from here too)
 from uptrain.convert.registry.architectures import Family
 from uptrain.convert.registry.choices import REFINE_INPUTS, REFINE_NOT_RANDOM
 from uptrain.errors import UsageError
@@ -183,6 +184,7 @@ class LayerRefiner:
             probe = {"not_measured": " ".join(str(err).split())[:200] or type(err).__name__}
         else:
             probe["bound_s"] = self._bound(probe, length, len(sequences), held["sequences"], dims.layers)
+            probe["load_1min"], probe["cpus"] = load_1min(), os.cpu_count()  # what the bound assumes stays
         return {**estimate(dims, self.calibration.tokens, hidden, self.settings, new_kv), "held_out": held,
                 "probe": {**probe, "device": str(device), "sequence_tokens": length, "layers": dims.layers}}
 
@@ -298,10 +300,25 @@ class LayerRefiner:
                 out[key] = params[key[5:]].detach().to("cpu", start[key].dtype).contiguous()
         return out
 
+    def _against_plan(self) -> str:
+        """'; within the plan (...)' or '; slower than planned: ...' (`time_estimate.pace_note`): this
+        run's calibration + refinement so far against the plan's bound; '' where there is none."""
+        probe = self.record.get("probe") or {}
+        bound = (probe.get("bound_s") or {}).get("total")
+        made = [x["seconds_with_setup"] for x in self.record.get("layers", []) if not x.get("kept")]
+        if not bound or not made:
+            return ""
+        calibration = float(self.calibration.record.get("seconds", 0.0))
+        spent = calibration + sum(made)
+        kept = len(self.record["layers"]) - len(made)
+        projected = pace(spent, calibration, made, probe["layers"] - kept)
+        return "; " + pace_note(spent, projected, bound, probe.get("load_1min"), load_1min())
+
     def _log(self, index: int, result, began: float) -> None:
         row = {"layer": index, **result.as_dict(), "seconds_with_setup": round(time.perf_counter() - began, 3)}
         self.record.setdefault("layers", []).append(row)
         self.last_line = (f"refine layer {index}: held-out error {result.error_before:.4f} -> "
-                          f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)")
+                          f"{result.error_after:.4f} ({result.steps_run} steps, {result.seconds:.1f} s)"
+                          + self._against_plan())
         if self.settings.log:
             self.settings.log(self.last_line)

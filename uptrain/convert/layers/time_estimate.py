@@ -22,11 +22,18 @@ refinement   per layer, `steps` x the slowest probed step (`refine_layer.probe_r
              ones) and its check (held out).
 Not counted: reading each layer's weights from the checkpoint (a layer, against a pass of the
 calibration text through it) and early stopping, which only ends sooner.
+
+What it assumes: the machine stays as busy as while planning (the 1-minute load average then is
+in the record, `probe.load_1min`). Nothing measured before the run can foresee load that starts
+after it, so the run checks itself: after each refined layer, `pace` projects calibration +
+refinement at the pace so far and `pace_note` says, on the layer's line, whether the run is within
+the plan's bound or, where it is not, by how much and what the load is now.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +43,7 @@ from torch import Tensor, nn
 
 from uptrain.convert.math import refine
 from uptrain.convert.math.capture import Moments, summing_moments
+from uptrain.units import human_seconds
 
 PROBE_TOKENS = 256  # the calibration probe's longest forward (scaled linearly beyond)
 
@@ -184,3 +192,34 @@ def conversion_seconds(refine_probe: dict[str, float], layer_forward_s: float | 
     calibration = (layers + 1) * sequences * (layer_forward_s or 0.0)
     return {"calibration": calibration, "refinement": layers * per_layer,
             "total": calibration + layers * per_layer}
+
+
+def load_1min() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def pace(spent_s: float, calibration_s: float, layer_s: list[float], layers: int) -> float:
+    """Calibration + refinement seconds in all at the pace measured so far, an upper bound while the
+    machine stays as it is now: `spent_s` plus, for each of the `layers` not yet refined, the slowest
+    refined layer's seconds (`layer_s`, this run's) and the calibration's mean seconds per stream pass
+    (`calibration_s` over len(layer_s) + 1 passes: the embedding pass counted as one, as the bound does)."""
+    done = len(layer_s)
+    if done == 0:
+        return spent_s
+    return spent_s + max(layers - done, 0) * (max(layer_s) + calibration_s / (done + 1))
+
+
+def pace_note(spent_s: float, projected_s: float, bound_s: float, load_then: float | None,
+              load_now: float | None) -> str:
+    """The layer line's word on the plan: within its bound, or slower than planned (by how much,
+    with the load when planned and now, where known)."""
+    if projected_s <= bound_s:
+        return f"within the plan ({human_seconds(spent_s)} of up to {human_seconds(bound_s)})"
+    load = (f"; load {load_then:.1f} when planned, {load_now:.1f} now" if load_then is not None
+            and load_now is not None else "")
+    return (f"slower than planned: at this pace up to {human_seconds(projected_s)}, "
+            f"{projected_s / bound_s:.1f}x the plan's {human_seconds(bound_s)}{load}")
