@@ -16,6 +16,7 @@ as real checkpoints' heads differ in key length (the source's function is unchan
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -355,3 +356,38 @@ def test_the_registry_says_which_key_norms_centre():
         assert (moved < 1e-4) == family.key_norm_centred, (model_type, moved)
         checked.append(model_type)
     assert {"phi", "stablelm", "cohere", "olmo2", "qwen3", "gemma3_text"} <= set(checked), checked
+
+
+def _calibration_windows(tokens: int) -> list[torch.Tensor]:
+    """The calibration's own sequences of TRAIN_TXT (what the converter measures its starts on)."""
+    tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
+    windows, _, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, tokens, 256)
+    return [torch.tensor(w) for w in windows]
+
+
+def chosen_starts(src: Path, tmp: Path, tokens: int = 1024) -> tuple[dict, list[float], list[float]]:
+    """Convert `src` to 2 K/V heads with `--method fit --calib` and with `--method mean`: (the fit's
+    per-layer choice as recorded, the written model's per-layer error on the calibration sequences,
+    mean pooling's there), the errors measured here, independently of the converter."""
+    convert(str(src), tmp / "fit", 2, "fit", calibration=Calibration(TRAIN_TXT, tokens))
+    convert(str(src), tmp / "mean", 2, "mean")
+    record = json.loads((tmp / "fit" / RECORD_FILE).read_text())
+    windows, original = _calibration_windows(tokens), load(src)
+    return record, layer_errors(original, load(tmp / "fit"), windows), layer_errors(original, load(tmp / "mean"), windows)
+
+
+@pytest.mark.parametrize("case", sorted(c for c, (_, _, norm) in CASES.items() if norm))
+def test_the_start_behind_a_key_norm_is_the_better_of_fit_and_mean_on_the_calibration_text(case, tmp_path,
+                                                                                           one_torch_thread):
+    """Issue 50: behind a key norm the fit's start is measured against mean pooling's, layer by layer,
+    on the calibration text, and the better is written. The record's errors are the ones measured
+    here on the same sequences (mean pooling's = a `--method mean` conversion's), and the written
+    layer's error is their minimum: never worse than mean pooling's."""
+    record, written, mean = chosen_starts(_source(case, tmp_path / "src"), tmp_path)
+    note = next(n for n in record["notes"] if n.startswith("start behind the key norm chosen per layer"))
+    pairs = [tuple(map(float, p.split("/"))) for p in re.search(r"per layer: ([^)]*)\)", note)[1].split(", ")]
+    assert len(pairs) == len(written) == len(mean)
+    for layer, ((fit_e, mean_e), got, pooled) in enumerate(zip(pairs, written, mean)):
+        assert mean_e == pytest.approx(pooled, rel=2e-3, abs=1e-4), (case, layer, note, mean)
+        assert got == pytest.approx(min(fit_e, mean_e), rel=2e-3, abs=1e-4), (case, layer, note, written)
+        assert got <= pooled * (1 + 2e-3), (case, layer, written, mean)

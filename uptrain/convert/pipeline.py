@@ -114,7 +114,13 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     if refine is not None:
         refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
         layerwise.refiner = refiner
-    show_progress(progress, layerwise, refiner, calibration, dims.layers)
+    if start_method == "fit" and calibration is not None and family.key_norm_in(full_config) is not None:
+        # behind a key norm the fit's start is measured against mean pooling's, per layer (issue 50)
+        layerwise.chooser = refiner or LayerRefiner(RefineSettings(), family,
+                                                    load_hf_config(new_config).get_text_config(), calibration, user=user)
+        if refiner is None:
+            calibration.keep = "attention"  # the attention's inputs and outputs, to measure both starts on
+    show_progress(progress, layerwise, refiner or getattr(layerwise, "chooser", None), calibration, dims.layers)
     change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
                         seed, layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)

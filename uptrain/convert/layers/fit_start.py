@@ -7,7 +7,9 @@ conversion in `layerwise.py`.
 - Partial rotary (Phi, StableLM, GLM, Nemotron, Phi-3 with partial_rotary_factor): the planes of
   the first rotary_dims rows, and `fit.fit_linear_keys` on the rows RoPE leaves alone.
 - A key norm after the projection (every family with one also normalises its queries): the keys
-  merged behind it (`normfit.merge_keys_under_norm`), queries unchanged.
+  merged behind it (`normfit.merge_keys_under_norm`), queries unchanged; with calibration, per layer
+  the better of that start and mean pooling's by the attention-output error on the calibration text
+  (`layer_outputs._make_layer`, `refine_layer.LayerRefiner.choose`).
 - clip_qkv (OLMo-1): the fit in the gauge that keeps the source's sizes (`keep_scale`), so heads
   identical within a group come back exactly even where the clamp is reached; how close the clamp
   sits to the outputs is measured per layer and noted (`clip_note`).
@@ -66,7 +68,9 @@ def fit_start(family: Family, config: dict[str, Any], head_dim: int) -> str | No
         parts.append(f"keys merged behind the {norm.replace('_', '-')} key norm ({family.key_norm_module}): "
                      f"the query-weighted mean of each head's normalised keys (each head's RMS from the "
                      f"attention input's moments: --calib's, else Σ = I), {kept}; queries unchanged "
-                     f"(their own norm would undo scales folded into them); values and outputs fitted")
+                     f"(their own norm would undo scales folded into them); values and outputs fitted; with --calib, "
+                     f"each layer keeps the fit's start or mean pooling's, whichever has the lower attention-output "
+                     f"error on the calibration text (the linear picture behind a norm can miss)")
     elif rotary is not None and rotary < head_dim:
         parts.append(f"partial rotary: keys fitted on the {rotary // 2} rotary planes of the first {rotary} "
                      f"of {head_dim} dims and by a least-squares key block with a map per head folded "

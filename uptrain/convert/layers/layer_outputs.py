@@ -131,8 +131,11 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
         settings.kept.save(index, {**done, **{f"student:{k}": v for k, v in student.items()}}, note)
         at_once.pause(f"kept-{index}")
     if settings.on_layer is not None:
-        settings.on_layer(getattr(settings.refiner, "last_line", "")
-                          or f"layer {index} converted ({change.method})")
+        chosen = settings.chosen.get(index)
+        settings.on_layer(getattr(settings.refiner, "last_line", "") or (
+            f"layer {index} converted ({change.method}; start: {'the fit' if chosen['start'] == 'fit' else 'mean pooling'}"
+            f"'s, calibration error {chosen['fit']:.4f} fit, {chosen['mean']:.4f} mean)" if chosen
+            else f"layer {index} converted ({change.method})"))
     return done
 
 
@@ -163,8 +166,40 @@ def _kept_layer(found: tuple[dict[str, torch.Tensor], dict[str, Any]], layer: st
 
 def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any], change, layout: str | None,
                 layers: int) -> dict[str, torch.Tensor]:
-    """One layer made: its start (`transform_layer`, the key norms carrying K/V heads as the fit
-    merged them or as planned), refined where `--refine` asks."""
+    """One layer made: its start (`_start`; behind a key norm with --calib the fit's or mean pooling's,
+    whichever the calibration text says is closer: `Layerwise.chooser`), refined where `--refine` asks."""
+    from uptrain.convert.layers.calibrate import layer_index
+
+    settings = change.layerwise
+    start = _start(ts, layer, layer_norms, change, layout, change.method)
+    if settings.chooser is not None and change.method == "fit":
+        mean = _start(ts, layer, layer_norms, change, layout, "mean")
+        picked = settings.chooser.choose(layer, {"fit": start, "mean": mean})
+        if picked is not None:
+            settings.chosen[layer_index(layer)] = {**picked[1], "start": picked[0]}
+            start = mean if picked[0] == "mean" else start
+        if settings.chosen and len(settings.chosen) == layers and settings.notes is not None:
+            settings.notes.append(chosen_note(settings.chosen))
+    done = settings.refiner(layer, start) if settings.refiner is not None else start
+    if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
+        settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
+    return done
+
+
+def chosen_note(chosen: dict[int, dict[str, Any]]) -> str:
+    """The plan's note on the per-layer choice of start behind a key norm (`_make_layer`)."""
+    mean = [i for i, c in sorted(chosen.items()) if c["start"] == "mean"]
+    errors = ", ".join(f"{c['fit']:.4g}/{c['mean']:.4g}" for _, c in sorted(chosen.items()))
+    which = (f"mean pooling's on layer{'s' if len(mean) > 1 else ''} {', '.join(map(str, mean))}, the fit's on the "
+             f"others" if mean else "the fit's on every layer")
+    return (f"start behind the key norm chosen per layer by the output error on the calibration text "
+            f"(fit/mean per layer: {errors}): {which}")
+
+
+def _start(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any], change, layout: str | None,
+           method: str) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s closed-form start by `method` (`transform_layer`), the key norms carrying K/V
+    heads as the fit merged them or as planned."""
     from uptrain.convert.layers.calibrate import layer_index
 
     settings, d = change.layerwise, change.dims
@@ -172,12 +207,12 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     weights = sorted((k for k in layer_norms if k.endswith(".weight")), key=_head_number)
     hd = projections["o.weight"].shape[1] // d.heads
     gamma = [ts[f"{k}#{j}"].reshape(-1) for k in weights for j in range(len(layer_norms[k].sources))]
-    if change.method == "fit" and gamma and sum(x.numel() for x in gamma) == d.kv_heads * hd:  # a row per K/V head
+    if method == "fit" and gamma and sum(x.numel() for x in gamma) == d.kv_heads * hd:  # a row per K/V head
         projections["knorm.weight"] = torch.cat(gamma).reshape(d.kv_heads, hd)
     named = getattr(settings.on_layer, "phase", None)  # never silent: a line while it runs (`progress.Heartbeat`)
-    with named(f"layer {layer_index(layer)}: the closed-form start ({change.method})") if named else nullcontext():
+    with named(f"layer {layer_index(layer)}: the closed-form start ({method})") if named else nullcontext():
         at_once.pause("start")
-        start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings, layer,
+        start = transform_layer(projections, d.heads, d.kv_heads, change.new_kv_heads, method, settings, layer,
                                 layout)
     merged = start.pop("knorm.weight", None)
     for key, output in layer_norms.items():  # the planned pooling of the norm, where the fit did not merge it
@@ -187,10 +222,7 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
         for key in weights:
             n = layer_norms[key].spec.numel
             start[key], rows = rows[:n].reshape(layer_norms[key].spec.shape).to(layer_norms[key].spec.dtype), rows[n:]
-    done = settings.refiner(layer, start) if settings.refiner is not None else start
-    if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
-        settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
-    return done
+    return start
 
 
 def _head_number(key: str) -> tuple[int, ...]:

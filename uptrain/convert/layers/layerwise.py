@@ -56,6 +56,10 @@ class Layerwise:
     clip_seen: dict[str, tuple[float, float]] = field(default_factory=dict)  # layer -> largest RMS / c (source, start)
     # finished layers kept beside the output for a rerun of an interrupted conversion (`io/kept_layers.KeptLayers`)
     kept: Any = None
+    # `--method fit --calib` behind a key norm: picks, per layer, the fit's start or mean pooling's by
+    # their output error on the calibration text (`refine_layer.LayerRefiner.choose`); None: the fit's
+    chooser: Any = None
+    chosen: dict[int, dict[str, Any]] = field(default_factory=dict)  # layer -> {"fit": error, "mean": error, "start"}
 
 
 def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:

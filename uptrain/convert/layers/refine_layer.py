@@ -230,6 +230,23 @@ class LayerRefiner:
         self._log(original.index, result, began)
         return self._refined(student, start)
 
+    def choose(self, layer: str, starts: dict[str, dict[str, Tensor]]) -> tuple[str, dict[str, float]] | None:
+        """Which of `starts` (name -> a closed-form start of attention `layer`, role.param -> tensor) is
+        closest to the original layer on the calibration text: the lowest relative output error
+        ||y' - y||² / ||y||² over every calibration sequence (`refine.relative_error`); (its name, each
+        start's error); None where the model was calibrated whole (no layer's inputs to measure on).
+        Behind a key norm the fit's linear picture can miss (issue 50: trained Qwen3-style layers where
+        mean pooling's start was closer), so the start is the better of the two, measured."""
+        if not self.calibration.streamed:
+            return None
+        original = self.calibration.layer(layer, self.user)
+        with self._phase(original.index)("the start: the fit's or mean pooling's, by their calibration error"):
+            inputs, call, targets = self._examples(original)
+            every = range(len(inputs))
+            errors = {name: refine.relative_error(_student(original, self.config, self.family, start, original.device),
+                                                  call, inputs, targets, every) for name, start in starts.items()}
+        return min(errors, key=errors.__getitem__), errors
+
     def replay(self, layer: str, state: dict[str, Tensor], row: dict[str, Any]) -> None:
         """A layer an interrupted run kept (`layerwise._kept_layer`): the stream taken past it as `__call__`
         takes it, with converted inputs the activations advanced through the kept attention (`state`:
