@@ -258,6 +258,8 @@ def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path)
         print(f"   warning: {calibration.record['warning']}", flush=True)
     plan = convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
                    grouping=args.grouping, refine=refine)
+    if calibration is not None and calibration.record.get("near_chance"):
+        print(f"   warning: {calibration.record['near_chance']}", flush=True)
     for note in plan.notes:
         if note.startswith("continues an interrupted conversion"):
             print(f"   {note}", flush=True)

@@ -19,6 +19,11 @@ def __getattr__(name: str) -> Any:
         return {n: getattr(torch, n) for n in DTYPE_NAMES}
     raise AttributeError(f"module 'uptrain.units' has no attribute {name!r}")
 
+# A source whose loss on a text is >= NEAR_CHANCE x ln(vocab) (uniform guessing) barely models it: said
+# by the eval for scoring text (`measure/fidelity.fidelity_warnings`) and by the converter for
+# calibration text (`convert/layers/calibrate.near_chance_warning`)
+NEAR_CHANCE = 0.9
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

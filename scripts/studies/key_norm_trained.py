@@ -12,7 +12,9 @@ stories260K's tokenizer; MLP 128), the class's own initialisation under torch se
 training text (examples/data/tinystories-train-sample.txt, repeated), lr 3e-3, --tokens tokens, one
 thread. Converted with `--calib` the same text (16,384 tokens). Measured as fit_starts.py measures:
 each attention's relative output error on the source's attention inputs of the held-out text's first
-8,192 tokens (256-token windows), and the KL to the source over them (nats/token).
+8,192 tokens (256-token windows), and the KL to the source over them (nats/token); and the KL of every
+model that takes each layer's attention from the mean or the fit conversion (2^4 mixes): which
+per-layer choice the whole model would want.
 """
 
 from __future__ import annotations
@@ -86,6 +88,31 @@ def measure(src: Path, folders: dict[str, Path]) -> dict:
     return out
 
 
+def mixes(src: Path, mean: Path, fit: Path) -> dict[str, float]:
+    """KL to the source (held-out tokens, as `measure`) of every model that takes each layer's attention
+    from `mean` ('m') or from `fit` ('f'): which per-layer choice the whole model would want."""
+    import itertools
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from uptrain.convert.layers.calibrate import calibration_sequences, read_calibration_texts
+    from uptrain.convert.math.refine import attention_modules
+
+    ids, _, _, _ = calibration_sequences(read_calibration_texts(VALID), AutoTokenizer.from_pretrained(MHA8), 8192, 256)
+    sequences = [torch.tensor(s) for s in ids if len(s) > 1]
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p).eval()  # noqa: E731
+    source, fitted = load(src), attention_modules(load(fit))
+    out = {}
+    with torch.no_grad():
+        for mix in itertools.product("mf", repeat=len(fitted)):
+            model = load(mean)
+            for module, fit_module, take in zip(attention_modules(model), fitted, mix):
+                if take == "f":
+                    module.load_state_dict(fit_module.state_dict())
+            out["".join(mix)] = round(kl_to(source, model, sequences), 4)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, required=True)
@@ -95,8 +122,8 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print("| model | seed | per-layer error: mean | fit before | fit now | KL to source: mean / fit before / fit now |\n"
-          "|---|---|---|---|---|---|", flush=True)
+    print("| model | seed | per-layer error: mean | fit before | fit now | KL to source: mean / fit before / fit now "
+          "| best per-layer mix (m/f per layer), its KL |\n|---|---|---|---|---|---|---|", flush=True)
     for case in CASES:
         for seed in args.seeds:
             src = trained(case, seed, args.tokens, args.work)
@@ -105,10 +132,12 @@ def main() -> int:
             convert(src, folders["fit-before"], "fit", args.before.resolve())
             convert(src, folders["fit-now"], "fit", REPO)
             r = measure(src, folders)
+            r["mixes"] = mixes(src, folders["mean"], folders["fit-before"])
+            best = min(r["mixes"], key=r["mixes"].__getitem__)
             fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
             print(f"| {case} | {seed} | {fmt(r['mean']['errors'])} | {fmt(r['fit-before']['errors'])} | "
                   f"{fmt(r['fit-now']['errors'])} | {r['mean']['kl']:.4f} / {r['fit-before']['kl']:.4f} / "
-                  f"{r['fit-now']['kl']:.4f} |", flush=True)
+                  f"{r['fit-now']['kl']:.4f} | {best} {r['mixes'][best]:.4f} |", flush=True)
             if args.json:
                 with args.json.open("a") as f:
                     f.write(json.dumps({"case": case, "seed": seed, "tokens": args.tokens, **r}) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -114,3 +115,58 @@ def test_a_txt_read_as_one_document_of_many_lines_is_warned_about(tmp_path):
     assert "read as ONE document of 60 lines" in warned and "--calib-text-unit line" in warned
     for path, unit in [(per_line, "line"), (paragraphs, "paragraph"), (few, "paragraph")]:
         assert "warning" not in Calibration(path=path, tokens=1024, text_unit=unit).record, (path, unit)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi", "gemma2", "cohere", "qwen3"])
+def test_the_source_loss_on_the_calibration_text_is_the_models_own(model_type, tmp_path, one_torch_thread):
+    """The stream's last step scores the calibration text with the source's own head (final norm,
+    output projection: tied in llama/cohere, with a bias in phi; gemma2's logit soft-cap and scaled
+    embeddings; cohere's logit scale) over the last layer's outputs: the loss transformers gives
+    for the whole model on the same sequences."""
+    from families import GQA_TYPES, tiny_config
+
+    extra = dict(GQA_TYPES.get(model_type, {}), num_key_value_heads=8, vocab_size=512)
+    model = random_model(tiny_config(model_type, extra), seed=1)
+    with torch.no_grad():  # logits of a few units, so the loss is not ln(vocab) whatever the head does
+        model.get_output_embeddings().weight.mul_(20.0)
+    src = save(model, tmp_path / "src")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(EXAMPLE_MHA8 / f, src / f)
+    calibration = Calibration(TRAIN_TXT, 1024)
+    convert(str(src), tmp_path / "fit", 2, "fit", calibration=calibration)
+    sequences = calibration.windows()[0]
+    total = count = 0.0
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            logits = model(ids).logits[0].float()
+            total += torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").item()
+            count += len(seq) - 1
+    record = calibration.record
+    assert record["source_loss_tokens"] == count, record
+    assert record["source_loss"] == pytest.approx(total / count, rel=1e-4, abs=1e-4), (record, total / count)
+
+
+def test_calibration_text_the_source_barely_models_is_warned_about(tmp_path):
+    """Before: calibration text the source models near chance (random characters here) passed
+    silently. The warning names the loss, chance and --calib-text-unit; real stories give none."""
+    import random
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    noise = tmp_path / "noise.txt"
+    rng = random.Random(0)
+    noise.write_text("\n\n".join("".join(rng.choice("qxzjkvw0123456789#@") for _ in range(400)) for _ in range(8)))
+    said = {}
+    for name, text in (("noise", noise), ("stories", TRAIN_TXT)):
+        done = subprocess.run([sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), "--kv-heads", "2",
+                               "--method", "fit", "--calib", str(text), "--calib-tokens", "2048", "--threads", "1",
+                               "--out", str(tmp_path / name)], capture_output=True, text=True, cwd=REPO,
+                              env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[name] = done.stderr
+    assert "warning: the source's loss on the calibration text is" in said["noise"], said["noise"][-1500:]
+    assert "of chance (ln 512 = 6.238" in said["noise"] and "--calib-text-unit" in said["noise"]
+    assert "the source's loss on the calibration text" not in said["stories"]

@@ -358,21 +358,15 @@ def test_the_registry_says_which_key_norms_centre():
     assert {"phi", "stablelm", "cohere", "olmo2", "qwen3", "gemma3_text"} <= set(checked), checked
 
 
-def _calibration_windows(tokens: int) -> list[torch.Tensor]:
-    """The calibration's own sequences of TRAIN_TXT (what the converter measures its starts on)."""
-    tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
-    windows, _, _, _ = calibration_sequences(read_calibration_texts(TRAIN_TXT), tokenizer, tokens, 256)
-    return [torch.tensor(w) for w in windows]
-
-
 def chosen_starts(src: Path, tmp: Path, tokens: int = 1024) -> tuple[dict, list[float], list[float]]:
     """Convert `src` to 2 K/V heads with `--method fit --calib` and with `--method mean`: (the fit's
     per-layer choice as recorded, the written model's per-layer error on the calibration sequences,
     mean pooling's there), the errors measured here, independently of the converter."""
-    convert(str(src), tmp / "fit", 2, "fit", calibration=Calibration(TRAIN_TXT, tokens))
+    calibration = Calibration(TRAIN_TXT, tokens)
+    convert(str(src), tmp / "fit", 2, "fit", calibration=calibration)
     convert(str(src), tmp / "mean", 2, "mean")
     record = json.loads((tmp / "fit" / RECORD_FILE).read_text())
-    windows, original = _calibration_windows(tokens), load(src)
+    windows, original = [torch.tensor(w) for w in calibration.windows()[0]], load(src)
     return record, layer_errors(original, load(tmp / "fit"), windows), layer_errors(original, load(tmp / "mean"), windows)
 
 
@@ -391,3 +385,18 @@ def test_the_start_behind_a_key_norm_is_the_better_of_fit_and_mean_on_the_calibr
         assert mean_e == pytest.approx(pooled, rel=2e-3, abs=1e-4), (case, layer, note, mean)
         assert got == pytest.approx(min(fit_e, mean_e), rel=2e-3, abs=1e-4), (case, layer, note, written)
         assert got <= pooled * (1 + 2e-3), (case, layer, written, mean)
+
+
+def test_on_trained_key_norm_weights_the_start_takes_mean_pooling_where_it_is_closer(tmp_path, one_torch_thread):
+    """examples/qwen3-keynorm-trained (trained here; a shared key norm): the fit's start is above mean
+    pooling's on some layers (results/key-norm-trained.md). The conversion must take mean pooling's
+    start there and the fit's elsewhere, the written layer's error the minimum of the two on every
+    layer. Red when the fit's start is always kept."""
+    record, written, mean = chosen_starts(REPO / "examples" / "qwen3-keynorm-trained", tmp_path, tokens=4096)
+    note = next(n for n in record["notes"] if n.startswith("start behind the key norm chosen per layer"))
+    pairs = [tuple(map(float, p.split("/"))) for p in re.search(r"per layer: ([^)]*)\)", note)[1].split(", ")]
+    took_mean = [i for i, (f, m) in enumerate(pairs) if m < f]
+    assert took_mean and len(took_mean) < len(pairs), note  # both kinds of layer: the choice is tested both ways
+    for layer, ((fit_e, mean_e), got, pooled) in enumerate(zip(pairs, written, mean)):
+        assert got == pytest.approx(min(fit_e, mean_e), rel=2e-3, abs=1e-4), (layer, note, written)
+        assert got <= pooled * (1 + 2e-3), (layer, written, mean)

@@ -198,7 +198,10 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     if plan.calibration and "seconds" in plan.calibration:
         c = plan.calibration
-        print(f"calibration: {c['tokens_used']:,} tokens ({c['documents']} documents) in {c['seconds']} s")
+        print(f"calibration: {c['tokens_used']:,} tokens ({c['documents']} documents) in {c['seconds']} s"
+              + (f"; the source's loss on it {c['source_loss']:.3f} nats/token" if "source_loss" in c else ""))
+        if c.get("near_chance"):
+            print(f"warning: {c['near_chance']}", file=sys.stderr)
     if plan.refinement and plan.refinement.get("layers"):
         done = plan.refinement["layers"]
         print("refined: " + ", ".join(f"{x['error_before']:.3f}->{x['error_after']:.3f}" for x in done)

@@ -101,6 +101,8 @@ def layer_progress(layers: int, write: Callable[[str], None] = print_line, inden
         with lock:
             if done[0] == 0:
                 began[0] = time.monotonic()
+        with beat._lock:  # the plan's lines were printed without it: the silence starts now, not at its making
+            beat.last = time.monotonic()
     log.begin = begin  # type: ignore[attr-defined]
     # a line inside a layer (refinement steps, calibration sequences): written as it is, no layer counted
     log.note = lambda line: write(f"{indent}{line}")  # type: ignore[attr-defined]

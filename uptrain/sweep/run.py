@@ -270,6 +270,8 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
                    calibration=calibration, grouping=options.grouping, refine=refine,
                    on_planned=lambda plans: print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"},
                    progress=lambda count, line: print(f"   kv{count}: {line}", flush=True))
+    if calibration is not None and calibration.record.get("near_chance"):
+        print(f"   warning: {calibration.record['near_chance']}", flush=True)
     from uptrain.stopping import at_once
 
     at_once.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now

@@ -18,6 +18,7 @@ by `text_unit` (default `paragraph`: documents separated by a blank line; `line`
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -36,6 +37,7 @@ from uptrain.convert.layers.schedule import StreamSchedule, StreamUser, stream_k
 from uptrain.convert.io.source import open_checkpoint, read_config
 from uptrain.data import DataSource, read_documents
 from uptrain.errors import UsageError
+from uptrain.units import NEAR_CHANCE
 
 WINDOW = 2048  # longest forward pass (tokens); documents longer than the model's context are cut in pieces
 
@@ -75,6 +77,20 @@ def one_document_warning(path: Path, text_unit: str, texts: list[str]) -> str | 
         return None
     return (f"{path} was read as ONE document of {lines:,} lines (no blank line separates documents); if it holds "
             f"one document per line, pass --calib-text-unit line")
+
+
+def near_chance_warning(loss: float, vocab: int, text_unit: str) -> str | None:
+    """The warning where the source's loss on the calibration text is near chance (>= NEAR_CHANCE x
+    ln vocab, the eval's rule for scoring text): the fit and refinement then imitate the source where
+    it barely models its input. None otherwise."""
+    chance = math.log(vocab)
+    if loss < NEAR_CHANCE * chance:
+        return None
+    return (f"the source's loss on the calibration text is {loss:.3f} nats/token, {loss / chance:.0%} of chance "
+            f"(ln {vocab} = {chance:.3f}; warned from {NEAR_CHANCE:.0%}): it barely models this text, so a start "
+            f"fitted on it imitates the source where the source is least itself; calibrate on text like the "
+            f"source's own (and check --calib-text-unit, now {text_unit!r}: a file read in the wrong units "
+            f"joins or splits documents)")
 
 
 def calibration_sequences(texts: list[str], tokenizer: Any, tokens: int, window: int
@@ -223,7 +239,26 @@ class Calibration:
             raise RuntimeError(f"the stream ran layer {layer.index}, not the next, {index}")
         self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
         self.record["layers_run"] = self._stream.position
+        if self._stream.position == len(self._stream.layers):
+            self._score_source(self.user(user).threads or self._threads)
         return layer
+
+    def _score_source(self, threads: int | None) -> None:
+        """Once the last layer ran: the source's loss on the calibration text (`LayerStream.source_loss`)
+        in the record, and `near_chance_warning` where the source barely models the text."""
+        start = time.perf_counter()
+        try:
+            with torch_threads(threads):
+                loss, tokens = self._stream.source_loss(self.windows()[0])
+        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError, StreamUnsupported) as err:
+            self.record["source_loss_not_measured"] = " ".join(str(err).split())[:200] or type(err).__name__
+            return
+        vocab = int(self._stream.model.get_output_embeddings().weight.shape[0])
+        self.record.update(source_loss=round(loss, 4), source_loss_tokens=tokens, vocab_size=vocab)
+        warning = near_chance_warning(loss, vocab, self.text_unit)
+        if warning:
+            self.record["near_chance"] = warning
+        self.record["seconds"] = round(self.record["seconds"] + time.perf_counter() - start, 2)
 
     def restart(self) -> None:
         """Forget the run so far: the next request opens the stream again from the first layer."""

@@ -43,6 +43,9 @@ class _Caught(Exception):
     pass
 
 
+SCORED_TOKENS = 4096  # calibration tokens the source's own head scores (`LayerStream.source_loss`)
+
+
 def available_memory() -> int:
     """Bytes of memory available to a new allocation (MemAvailable on Linux, else physical memory)."""
     try:
@@ -93,6 +96,25 @@ class _Catcher(nn.Module):
         if self.last:
             raise _Caught
         return hidden
+
+
+class _Replay(nn.Module):
+    """Stands in for a decoder layer once the stream has run them all (`LayerStream.source_loss`):
+    passes the hidden states on, or (the last layer) returns its recorded outputs [T, D]."""
+
+    def __init__(self, layer: nn.Module, outputs: torch.Tensor | None):
+        super().__init__()
+        self.layer, self.outputs = layer, outputs
+
+    def __getattr__(self, name: str) -> Any:  # the model's forward may read layer attributes (attention_type)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return hidden if self.outputs is None else self.outputs.to(hidden.device, hidden.dtype)[None]
 
 
 def _renames(model_type: str) -> list[tuple[str, str]]:
@@ -283,6 +305,51 @@ class LayerStream:
                   self._ticker(f"calibrate layer {i}", len(self.activations)))
         self.current = layer
         return layer
+
+    @torch.no_grad()
+    def source_loss(self, sequences: list[list[int]], max_tokens: int = SCORED_TOKENS) -> tuple[float, int]:
+        """The source's mean next-token loss (nats/token) on the calibration text and the tokens scored:
+        once every layer ran, the model's own head (final norm, output projection, any logit scaling,
+        read from the checkpoint) over the last layer's outputs of the first sequences, up to
+        `max_tokens` tokens (at 7B width a 4,096-token head pass is ~10 s on a CPU). The decoder
+        layers stand in as replays of those outputs, so no layer runs again."""
+        if self.position != len(self.layers):
+            raise RuntimeError("the source's loss needs every layer run first")
+        names = {id(m): n for n, m in self.model.named_modules()}
+        in_layers = {id(p) for p in self.layers.parameters()}
+        head = self.model.get_output_embeddings()
+        embedding = self.model.get_input_embeddings().weight
+        restore = []
+        for mod_name, mod in self.model.named_modules():
+            for key, param in list(mod._parameters.items()):
+                if param is None or id(param) in in_layers or (param is embedding and mod is not head):
+                    continue
+                info = self.infos.get(f"{mod_name}.{key}") or (self.infos.get(f"{names[id(self.model.get_input_embeddings())]}.weight")
+                                                                if mod is head and key == "weight" else None)
+                if info is None:
+                    raise StreamUnsupported(f"the checkpoint has no tensor for {mod_name}.{key}")
+                restore.append((mod, key, param))
+                mod._parameters[key] = nn.Parameter(self.source.read(info).to(self.device, torch.float32),
+                                                    requires_grad=False)
+        originals = list(self.layers)
+        total = count = 0.0
+        try:
+            for s, seq in enumerate(sequences):
+                if count >= max_tokens or len(seq) < 2:
+                    continue
+                for i, layer in enumerate(originals):
+                    self.layers[i] = _Replay(layer, self.activations[s] if i == len(originals) - 1 else None)
+                hidden = self.activations[s].to(self.device, torch.float32)[None]
+                logits = self.model(inputs_embeds=torch.zeros_like(hidden), use_cache=False).logits[0].float()
+                ids = torch.tensor(seq[1:], device=logits.device)
+                total += torch.nn.functional.cross_entropy(logits[:-1], ids, reduction="sum").item()
+                count += len(seq) - 1
+        finally:
+            for i, layer in enumerate(originals):
+                self.layers[i] = layer
+            for mod, key, param in restore:
+                mod._parameters[key] = param
+        return total / max(count, 1), int(count)
 
     def _ticker(self, what: str, total: int) -> Callable[[int], None] | None:
         """A tick per sequence of a pass (`calibrate layer 3: sequence 40/128, ~12 s left in this layer`
