@@ -14,7 +14,7 @@ import torch
 from conftest import EXAMPLE_MHA8, TRAIN_TXT
 from families import GQA_TYPES, tiny_config
 from uptrain.convert.__main__ import main
-from uptrain.convert.layers.time_estimate import conversion_seconds, pace, pace_note, probe_layer_forward
+from uptrain.convert.layers.time_estimate import conversion_seconds, pace, pace_note, probe_layer_forward, typical_length
 from uptrain.convert.math import refine
 from uptrain.convert.plan import conversion_time
 
@@ -77,6 +77,24 @@ def test_the_pace_projects_every_layer_still_to_come_at_the_slowest_layer_so_far
             assert note.startswith("within the plan") == (projected <= bound), (note, projected, bound)
             assert ("load 1.0 when planned, 3.0 now" in note) == (projected > bound)
     assert pace(5.0, 1.0, [], 10) == 5.0  # nothing refined yet: nothing to project from
+
+
+def test_every_pass_is_counted_at_a_length_whose_cost_covers_the_mean_cost_of_the_sequences():
+    """`typical_length` over random and structured length mixes: between the mean and the longest,
+    the length itself where all are equal, and for any cost a + bL + cL² (a, b, c >= 0: a pass of
+    one sequence) n x cost(typical) >= the sum of the sequences' costs (the bound stays safe)."""
+    gen = torch.Generator().manual_seed(0)
+    mixes = [[2048] * 16, [1] * 3, [61, 503, 200, 320], [4096, 1], [7] * 40 + [2048]]
+    mixes += [torch.randint(1, 4097, (int(torch.randint(1, 64, (1,), generator=gen)),), generator=gen).tolist()
+              for _ in range(200)]
+    for lengths in mixes:
+        t = typical_length(lengths)
+        assert sum(lengths) / len(lengths) <= t <= max(lengths), (lengths, t)
+        if len(set(lengths)) == 1:
+            assert t == lengths[0]
+        for a, b, c in torch.rand(20, 3, generator=gen).tolist():
+            cost = lambda n: a + b * n + c * n * n / 1000  # noqa: E731
+            assert len(lengths) * cost(t) >= sum(cost(n) for n in lengths) * (1 - 1e-12), (lengths, a, b, c)
 
 
 @pytest.mark.parametrize("model_type", sorted(t for t in GQA_TYPES if t != "falcon"))  # falcon: refused

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from uptrain.convert.math import refine
 from uptrain.convert.layers.time_estimate import (conversion_seconds, load_1min, pace, pace_note, probe_layer_forward,
-                                                probe_refine, probe_seconds_per_step)  # noqa: F401 (imported from here too)
+                                                probe_refine, probe_seconds_per_step, typical_length)  # noqa: F401 (imported from here too)
 from uptrain.convert.registry.architectures import Family
 from uptrain.convert.registry.choices import REFINE_INPUTS, REFINE_NOT_RANDOM
 from uptrain.errors import UsageError
@@ -175,7 +175,7 @@ class LayerRefiner:
                              f"{len(sequences)}; raise --calib-tokens or use more documents")
         lengths = [len(s) for s in sequences]
         device = self.calibration.device
-        length = max(lengths)  # the calibration window, or the longest piece of a shorter text
+        length = typical_length(lengths)  # what a pass over one sequence costs, on average at most
         held = plan_held_out(lengths, documents, self.settings.seed)
         try:
             probe: dict[str, Any] = probe_refine(self.config, length, refine.BATCH, device)
@@ -186,7 +186,8 @@ class LayerRefiner:
             probe["bound_s"] = self._bound(probe, length, len(sequences), held["sequences"], dims.layers)
             probe["load_1min"], probe["cpus"] = load_1min(), os.cpu_count()  # what the bound assumes stays
         return {**estimate(dims, self.calibration.tokens, hidden, self.settings, new_kv), "held_out": held,
-                "probe": {**probe, "device": str(device), "sequence_tokens": length, "layers": dims.layers}}
+                "probe": {**probe, "device": str(device), "sequence_tokens": length,
+                          "longest_sequence_tokens": max(lengths), "layers": dims.layers}}
 
     def _bound(self, probe: dict[str, Any], length: int, sequences: int, held: int, layers: int) -> dict[str, Any]:
         """The plan's upper bound on calibration + refinement seconds (`time_estimate`); the
