@@ -14,7 +14,7 @@ import torch
 from conftest import EXAMPLE_MHA8, TRAIN_TXT
 from families import GQA_TYPES, tiny_config
 from uptrain.convert.__main__ import main
-from uptrain.convert.layers.time_estimate import conversion_seconds, pace, pace_note, probe_layer_forward, typical_length
+from uptrain.convert.layers.time_estimate import PROBE_MARGIN, conversion_seconds, pace, pace_note, probe_layer_forward, typical_length
 from uptrain.convert.math import refine
 from uptrain.convert.plan import conversion_time
 
@@ -29,8 +29,8 @@ def test_the_bound_counts_the_steps_and_every_forward_without_gradients():
     b = conversion_seconds(probe, 0.25, sequences=10, held=3, steps=100, layers=4)
     measured = 100 // refine.EVAL_EVERY + 1  # every EVAL_EVERY steps, and the last
     forwards = measured * 3 + 10 + 2 * 7 + 3 + 1  # held-out checks, before, solve + after, solve's check, +1
-    assert b["refinement"] == pytest.approx(4 * (100 * 2.0 + forwards * 0.5))
-    assert b["calibration"] == pytest.approx((4 + 1) * 10 * 0.25)  # the embedding pass as one more layer
+    assert b["refinement"] == pytest.approx(PROBE_MARGIN * 4 * (100 * 2.0 + forwards * 0.5))
+    assert b["calibration"] == pytest.approx(PROBE_MARGIN * (4 + 1) * 10 * 0.25)  # the embedding pass as one more layer
     assert b["total"] == pytest.approx(b["calibration"] + b["refinement"])
     assert conversion_seconds(probe, None, 10, 3, 80, 4)["calibration"] == 0
     assert conversion_time({"total": 90.0, "calibration": 10.0, "refinement": 80.0}) == \

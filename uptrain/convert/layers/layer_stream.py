@@ -317,15 +317,14 @@ class LayerStream:
             raise RuntimeError("the source's loss needs every layer run first")
         names = {id(m): n for n, m in self.model.named_modules()}
         in_layers = {id(p) for p in self.layers.parameters()}
-        head = self.model.get_output_embeddings()
-        embedding = self.model.get_input_embeddings().weight
+        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        tied = self.infos.get(f"{names[id(embedding)]}.weight")  # a head tied to the embedding reads its rows
         restore = []
         for mod_name, mod in self.model.named_modules():
             for key, param in list(mod._parameters.items()):
-                if param is None or id(param) in in_layers or (param is embedding and mod is not head):
-                    continue
-                info = self.infos.get(f"{mod_name}.{key}") or (self.infos.get(f"{names[id(self.model.get_input_embeddings())]}.weight")
-                                                                if mod is head and key == "weight" else None)
+                if param is None or id(param) in in_layers or (param is embedding.weight and mod is not head):
+                    continue  # the layers are replayed, the embedding is not used (inputs_embeds)
+                info = self.infos.get(f"{mod_name}.{key}") or (tied if mod is head and key == "weight" else None)
                 if info is None:
                     raise StreamUnsupported(f"the checkpoint has no tensor for {mod_name}.{key}")
                 restore.append((mod, key, param))
