@@ -170,3 +170,19 @@ def test_calibration_text_the_source_barely_models_is_warned_about(tmp_path):
     assert "warning: the source's loss on the calibration text is" in said["noise"], said["noise"][-1500:]
     assert "of chance (ln 512 = 6.238" in said["noise"] and "--calib-text-unit" in said["noise"]
     assert "the source's loss on the calibration text" not in said["stories"]
+
+
+def test_the_source_loss_is_skipped_where_its_head_would_not_fit(tmp_path, monkeypatch, one_torch_thread):
+    """A head whose float32 weight and logits exceed a quarter of the memory available (Llama-3-70B's:
+    4.2 GiB) is not read: the record says why, the conversion is as before, no warning."""
+    import uptrain.convert.layers.layer_stream as stream
+
+    monkeypatch.setattr(stream, "available_memory", lambda: 4 * 2**20)  # 1 MiB for a 2.2 MiB head + logits
+    calibration = Calibration(TRAIN_TXT, 1024)
+    convert(str(EXAMPLE_MHA8), tmp_path / "fit", 2, "fit", calibration=calibration)
+    assert "source_loss" not in calibration.record
+    assert "exceed a quarter of the memory available" in calibration.record["source_loss_not_measured"]
+    monkeypatch.undo()
+    again = Calibration(TRAIN_TXT, 1024)
+    convert(str(EXAMPLE_MHA8), tmp_path / "fit2", 2, "fit", calibration=again)
+    assert 1.0 < again.record["source_loss"] < 2.5 and "source_loss_not_measured" not in again.record

@@ -315,6 +315,11 @@ class LayerStream:
         layers stand in as replays of those outputs, so no layer runs again."""
         if self.position != len(self.layers):
             raise RuntimeError("the source's loss needs every layer run first")
+        head_shape = self.model.get_output_embeddings().weight.shape  # [vocab, hidden]
+        need = 4 * head_shape[0] * (head_shape[1] + 2 * max(len(s) for s in sequences))  # head + logits, float32
+        if need > available_memory() // 4:  # (Llama-3-70B: 4.2 GiB of head) the stream's own bound comes first
+            raise StreamUnsupported(f"the output head and its logits ({need / 2**30:.1f} GiB in float32) exceed a "
+                                    f"quarter of the memory available")
         names = {id(m): n for n, m in self.model.named_modules()}
         in_layers = {id(p) for p in self.layers.parameters()}
         head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
