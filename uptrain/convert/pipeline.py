@@ -30,6 +30,7 @@ from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.io.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
 from uptrain.convert.io.hfconfig import attention_dims, load_hf_config, source_family, target_config
+from uptrain.convert.registry.architectures import Family
 from uptrain.convert.modelcard import render_model_card, source_card_metadata
 from uptrain.convert.plan import ConversionPlan, human_bytes, plan_conversion
 from uptrain.convert.progress import layer_progress, sequence_progress, step_lines
@@ -110,16 +111,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
                                    calibration and calibration.bind(source.path), refine=refine is not None,
                                    user=user)
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
-    refiner = None
-    if refine is not None:
-        refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
-        layerwise.refiner = refiner
-    if start_method == "fit" and calibration is not None and family.key_norm_in(full_config) is not None:
-        # behind a key norm the fit's start is measured against mean pooling's, per layer (issue 50)
-        layerwise.chooser = refiner or LayerRefiner(RefineSettings(), family,
-                                                    load_hf_config(new_config).get_text_config(), calibration, user=user)
-        if refiner is None:
-            calibration.keep = "attention"  # the attention's inputs and outputs, to measure both starts on
+    refiner = _layer_refiners(layerwise, refine, family, new_config, full_config, calibration, start_method, user)
     show_progress(progress, layerwise, refiner or getattr(layerwise, "chooser", None), calibration, dims.layers)
     change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
                         seed, layerwise)
@@ -198,6 +190,23 @@ def _spans(indices: list[int]) -> str:
         else:
             spans.append([i, i])
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
+
+def _layer_refiners(layerwise: Any, refine: RefineSettings | None, family: Family, new_config: dict[str, Any],
+                    full_config: dict[str, Any], calibration: Any, start_method: str, user: int) -> LayerRefiner | None:
+    """`--refine`'s `LayerRefiner` (None without it), set on `layerwise`; and, behind a key norm with
+    --calib, the chooser of each layer's start (the fit's or mean pooling's: issue 50), the refiner
+    itself where there is one."""
+    refiner = None
+    if refine is not None:
+        refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
+        layerwise.refiner = refiner
+    if start_method == "fit" and calibration is not None and family.key_norm_in(full_config) is not None:
+        layerwise.chooser = refiner or LayerRefiner(RefineSettings(), family,
+                                                    load_hf_config(new_config).get_text_config(), calibration, user=user)
+        if refiner is None:
+            calibration.keep = "attention"  # the attention's inputs and outputs, to measure both starts on
+    return refiner
 
 
 def show_progress(progress: Callable[[str], None] | None, layerwise: Any, refiner: LayerRefiner | None,
