@@ -192,8 +192,8 @@ def conversion_seconds(refine_probe: dict[str, float], layer_forward_s: float | 
                        held: int, steps: int, layers: int) -> dict[str, float]:
     """The plan's bound (seconds): `calibration` ((layers + 1) x sequences x layer_forward_s; 0 where
     it was not measured), `refinement` (per layer steps x seconds_per_step plus its forwards without
-    gradients, see the module doc), each x PROBE_MARGIN, and their sum `total`. sequences: the calibration's forward passes;
-    held: how many of them are held out."""
+    gradients, see the module doc), each x PROBE_MARGIN, and their sum `total`. sequences: the
+    calibration's forward passes; held: how many of them are held out."""
     train = sequences - held
     measurements = steps // refine.EVAL_EVERY + (steps % refine.EVAL_EVERY != 0)
     forwards = measurements * held + sequences + 2 * train + held + 1  # +1: the solve finds its projection
