@@ -197,13 +197,13 @@ def _layer_refiners(layerwise: Any, refine: RefineSettings | None, family: Famil
     """`--refine`'s `LayerRefiner` (None without it), set on `layerwise`; and, behind a key norm with
     --calib, the chooser of each layer's start (the fit's or mean pooling's: issue 50), the refiner
     itself where there is one."""
-    refiner = None
+    refiner, chooses = None, start_method == "fit" and calibration is not None and family.key_norm_in(full_config)
+    text_config = load_hf_config(new_config).get_text_config() if refine is not None or chooses else None
     if refine is not None:
-        refiner = LayerRefiner(refine, family, load_hf_config(new_config).get_text_config(), calibration, user=user)
+        refiner = LayerRefiner(refine, family, text_config, calibration, user=user)
         layerwise.refiner = refiner
-    if start_method == "fit" and calibration is not None and family.key_norm_in(full_config) is not None:
-        layerwise.chooser = refiner or LayerRefiner(RefineSettings(), family,
-                                                    load_hf_config(new_config).get_text_config(), calibration, user=user)
+    if chooses:
+        layerwise.chooser = refiner or LayerRefiner(RefineSettings(), family, text_config, calibration, user=user)
         if refiner is None:
             calibration.keep = "attention"  # the attention's inputs and outputs, to measure both starts on
     return refiner

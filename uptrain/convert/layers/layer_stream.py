@@ -77,18 +77,22 @@ def activation_dtype(tokens: int, hidden: int, limit: int) -> torch.dtype:
     return torch.float32 if tokens * hidden * 4 <= limit else torch.bfloat16
 
 
-class _Catcher(nn.Module):
-    """Stands in for decoder layer `index`: records its inputs, passes the hidden states on; the last raises."""
-
-    def __init__(self, layer: nn.Module, index: int, records: dict[int, tuple], last: bool):
-        super().__init__()
-        self.layer, self.index, self.records, self.last = layer, index, records, last
+class _StandIn(nn.Module):
+    """A stand-in for a decoder layer in the model's forward; attributes it lacks are the layer's."""
 
     def __getattr__(self, name: str) -> Any:  # the model's forward may read layer attributes (attention_type)
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["layer"], name)
+
+
+class _Catcher(_StandIn):
+    """Stands in for decoder layer `index`: records its inputs, passes the hidden states on; the last raises."""
+
+    def __init__(self, layer: nn.Module, index: int, records: dict[int, tuple], last: bool):
+        super().__init__()
+        self.layer, self.index, self.records, self.last = layer, index, records, last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs.pop("hidden_states")
@@ -98,19 +102,13 @@ class _Catcher(nn.Module):
         return hidden
 
 
-class _Replay(nn.Module):
+class _Replay(_StandIn):
     """Stands in for a decoder layer once the stream has run them all (`LayerStream.source_loss`):
     passes the hidden states on, or (the last layer) returns its recorded outputs [T, D]."""
 
     def __init__(self, layer: nn.Module, outputs: torch.Tensor | None):
         super().__init__()
         self.layer, self.outputs = layer, outputs
-
-    def __getattr__(self, name: str) -> Any:  # the model's forward may read layer attributes (attention_type)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["layer"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]
