@@ -4,9 +4,10 @@
 KV cache that is copied whole at every step, a full sort of the vocabulary for top-p, and a
 per-step logits-processor chain. Here instead:
 
-- a static KV cache (`StaticCache`, allocated once for prompt + new tokens), read only up to the
+- a static KV cache allocated once for prompt + new tokens (`decode_cache`: keys stored transposed
+  for a one-query product, each run of identical K/V heads stored once), read only up to the
   positions written so far (`decode_attention`: one query token against the cache's filled part,
-  an einsum where CPU SDPA kernels are slow for a single query);
+  two matmuls where CPU SDPA kernels are slow for a single query);
 - top-p over the `TOP_K` most likely tokens (`top_p_candidates`): a partial sort, with the full sort
   only for rows whose top-`TOP_K` mass falls short of `top_p`; the sampled distribution is the same;
 - one generator seeded per call: the same seed gives the same tokens.
@@ -27,6 +28,8 @@ import torch
 from transformers import AttentionInterface, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from uptrain.train.model.decode_cache import decode_cache
 
 TOP_K = 64  # candidates kept for top-p before falling back to a full sort (most rows need far fewer)
 ATTENTION = "uptrain_decode"  # the attention implementation name decode_attention is registered under
@@ -53,17 +56,24 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     special = getattr(module, "sliding_window", None) or kwargs.get("sliding_window") or kwargs.get("softcap") \
         or kwargs.get("s_aux") is not None
     if n is None or query.shape[2] != 1 or special or kwargs.get("dropout", 0.0):
+        key, value = _all_kv_heads(module, query, key), _all_kv_heads(module, query, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    key, value = key[:, :, :n], value[:, :, :n]
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim) * (scaling if scaling is not None else dim ** -0.5)
-    scores = torch.einsum("bkgd,bktd->bkgt", q, key)
+    scores = torch.matmul(q, key[:, :, :n].transpose(-1, -2))  # (B, Hkv, g, n); a DecodeLayer's own storage
     if attention_mask is not None and _FILLED.padded:
         mask = attention_mask[..., :n].reshape(batch, 1, 1, n)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.einsum("bkgt,bktd->bkgd", scores.softmax(-1), value)
+    out = torch.matmul(scores.softmax(-1), value[:, :, :n])
     return out.reshape(batch, 1, heads, dim), None
+
+
+def _all_kv_heads(module: torch.nn.Module, query: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """`states` (B, h, T, D) with the K/V heads the module's config names: a DecodeLayer keeps one of
+    each run of identical heads, SDPA (which repeats by the module's group count) wants them all."""
+    want = query.shape[1] // getattr(module, "num_key_value_groups", 1)
+    return states if states.shape[1] == want else states.repeat_interleave(want // states.shape[1], dim=1)
 
 
 AttentionInterface.register(ATTENTION, decode_attention)
@@ -124,7 +134,8 @@ def sample_continuations(model: torch.nn.Module, rows: list[list[int]], max_new_
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     total = width + max_new_tokens
-    cache = StaticCache(config=model.config, max_cache_len=total)
+    cache = decode_cache(model, total) if model.config._attn_implementation == "sdpa" else \
+        StaticCache(config=model.config, max_cache_len=total)
     generator = torch.Generator(device=device).manual_seed(seed)
     before = model.config._attn_implementation
     if before == "sdpa":  # others (eager for soft-capping, flash kernels) keep their own attention

@@ -40,9 +40,9 @@ META = "meta.json"
 
 def _identity(teacher: object, ts: TeacherSamples) -> dict:
     """What identifies a set of samples: the teacher, every generation setting, the seeding scheme."""
-    return {"teacher": str(teacher), **dataclasses.asdict(ts), "seeding": "per batch", "sampler": 2}
-    # batches seeded by their index alone; sampler 2: the static-cache sampler of uptrain.train.model.sampling
-    # (samples of earlier versions differ)
+    return {"teacher": str(teacher), **dataclasses.asdict(ts), "seeding": "per batch", "sampler": 3}
+    # batches seeded by their index alone; sampler 3: the static-cache sampler of uptrain.train.model.sampling
+    # with the decode cache of uptrain.train.model.decode_cache (samples of earlier versions may differ)
 
 
 def _wanted(config: TrainConfig) -> dict:
