@@ -61,7 +61,8 @@ def test_a_teacher_expanded_from_gqa_stores_each_head_once_and_decodes_as_transf
         with torch.no_grad():
             head = model.get_output_embeddings().weight
             head.mul_(20.0 / head.norm(dim=-1, keepdim=True).mean())
-        full = [type(layer).__name__ == "StaticLayer" for layer in StaticCache(config=model.config, max_cache_len=4).layers]
+        full = [type(layer).__name__ == "StaticLayer"
+                for layer in StaticCache(config=model.config, max_cache_len=4).layers]
         groups = repeated_kv_groups(model)
         assert groups == [(HEADS // KV if name == "mha" else 1) if f else 1 for f in full], groups
         assert [isinstance(layer, DecodeLayer) for layer in decode_cache(model, 8).layers] == full
