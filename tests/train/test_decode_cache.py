@@ -11,6 +11,7 @@ from tests.families import GQA_TYPES, HEADS, KV, tiny_config
 from tests.tiny import random_model, save
 from uptrain.convert.pipeline import convert
 from uptrain.train.model.decode_cache import DecodeLayer, decode_cache, repeated_kv_groups, run_group
+from uptrain.train.model import sampling
 from uptrain.train.model.sampling import sample_continuations
 
 
@@ -68,6 +69,7 @@ def test_a_teacher_expanded_from_gqa_stores_each_head_once_and_decodes_as_transf
         assert [isinstance(layer, DecodeLayer) for layer in decode_cache(model, 8).layers] == full
         rows = [[1, 5, 9, 33], [1, 17], [1]]
         results[name] = sample_continuations(model, rows, 12, None, 0, 0.0, 1.0, seed=0)
+        assert sampling._FILLED.work == {}  # the attention's buffers are not held after the call
         if name == "mha":
             want = [model.generate(input_ids=torch.tensor([r]), attention_mask=torch.ones(1, len(r), dtype=torch.long),
                                    do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0,
