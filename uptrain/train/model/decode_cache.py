@@ -77,7 +77,7 @@ def run_group(keys: torch.Tensor, values: torch.Tensor) -> int:
 def repeated_kv_groups(model: torch.nn.Module) -> list[int]:
     """Per decoder layer, the run length of identical K/V heads (`run_group`) on the keys and values of
     PROBE_TOKENS random tokens (seeded): heads that differ in their weights do not give bit-identical
-    keys and values on them. Probed once per model."""
+    keys and values on them. Probed once per model (a teacher's weights do not change while it samples)."""
     if model in _GROUPS:
         return _GROUPS[model]
     config = model.config.get_text_config()
