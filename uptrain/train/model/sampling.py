@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface, StaticCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from uptrain.train.model.decode_cache import decode_cache
@@ -94,7 +94,7 @@ def _all_kv_heads(module: torch.nn.Module, query: torch.Tensor, states: torch.Te
     """`states` (B, h, T, D) with the K/V heads the module's config names: a DecodeLayer keeps one of
     each run of identical heads, SDPA (which repeats by the module's group count) wants them all."""
     want = query.shape[1] // getattr(module, "num_key_value_groups", 1)
-    return states if states.shape[1] == want else states.repeat_interleave(want // states.shape[1], dim=1)
+    return repeat_kv(states, want // states.shape[1])  # (the same repeat SDPA applies per group)
 
 
 AttentionInterface.register(ATTENTION, decode_attention)
