@@ -1,10 +1,12 @@
-"""The fit's start behind a key norm on TRAINED weights (issue 50): small Qwen3 (shared q/k norm) and
-OLMo-2 (whole-projection q/k norm) models trained here, converted to 2 K/V heads by mean pooling, by
-the fit as it was (the code before the per-layer choice, from another checkout: --before) and by the
-fit as it is (the better of fit and mean pooling per layer, by the calibration error).
+"""The fit's start behind a key norm on TRAINED weights (issue 50): small models of every registry family
+with a key norm (Qwen3 and Phi qk_layernorm: a shared q/k norm; StableLM and Cohere: per head; OLMo-2:
+over the whole projection) trained here, converted to 2 K/V heads by mean pooling, by the fit as it
+was (from another checkout: --before; the code before the per-layer choice, or before the whole-model
+check) and by the fit as it is (the better of fit and mean pooling per layer by the calibration error,
+then the whole model checked against mean pooling's: `layers/whole_check.py`).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/studies/key_norm_trained.py --work SCRATCH/key-norm \
-        --before OLD_CHECKOUT --json results/key-norm-trained.json
+        --before OLD_CHECKOUT --json results/key-norm-trained.jsonl
 
 Each model: fit_starts.py's shape (hidden 64, 8 heads of 8, 8 K/V heads, 4 layers, vocabulary 512 with
 stories260K's tokenizer; MLP 128), the class's own initialisation under torch seed SEED, trained by
@@ -34,7 +36,13 @@ sys.path.insert(0, str(REPO / "scripts" / "tools"))
 
 from fit_starts import MHA8, SMALL, TRAIN, VALID, errors, kl_to  # noqa: E402
 
-CASES = {"qwen3": {}, "olmo2": {}}
+# case -> (model type, config extra): one model of each registry family with a key norm (the shared
+# norm: Qwen3 for Qwen3 / Gemma 3 / EXAONE 4, and Phi's qk_layernorm; per head: StableLM, Cohere; whole
+# projection: OLMo-2)
+CASES = {"qwen3": ("qwen3", {}), "olmo2": ("olmo2", {}),
+         "phi-qk_layernorm": ("phi", dict(qk_layernorm=True, partial_rotary_factor=0.5)),
+         "stablelm-qk_layernorm": ("stablelm", dict(qk_layernorm=True, partial_rotary_factor=0.25, use_qkv_bias=True)),
+         "cohere-use_qk_norm": ("cohere", dict(use_qk_norm=True))}
 
 
 def trained(case: str, seed: int, tokens: int, work: Path) -> Path:
@@ -46,7 +54,8 @@ def trained(case: str, seed: int, tokens: int, work: Path) -> Path:
         return run_dir / "model"
     init = work / f"{case}-s{seed}-init"
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(case, **{**SMALL, "intermediate_size": 128, **CASES[case]})
+    model_type, extra = CASES[case]
+    config = AutoConfig.for_model(model_type, **{**SMALL, "intermediate_size": 128, **extra})
     AutoModelForCausalLM.from_config(config).save_pretrained(init)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (init / f).write_bytes((MHA8 / f).read_bytes())
@@ -123,7 +132,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     print("| model | seed | per-layer error: mean | fit before | fit now | KL to source: mean / fit before / fit now "
-          "| best per-layer mix (m/f per layer), its KL |\n|---|---|---|---|---|---|---|", flush=True)
+          "| best per-layer mix (m/f per layer), its KL | whole-model check wrote |\n|---|---|---|---|---|---|---|---|",
+          flush=True)
     for case in CASES:
         for seed in args.seeds:
             src = trained(case, seed, args.tokens, args.work)
@@ -133,11 +143,13 @@ def main() -> int:
             convert(src, folders["fit-now"], "fit", REPO)
             r = measure(src, folders)
             r["mixes"] = mixes(src, folders["mean"], folders["fit-before"])
+            r["check"] = json.loads((folders["fit-now"] / "uptrain_conversion.json").read_text()).get("whole_model")
             best = min(r["mixes"], key=r["mixes"].__getitem__)
             fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
             print(f"| {case} | {seed} | {fmt(r['mean']['errors'])} | {fmt(r['fit-before']['errors'])} | "
                   f"{fmt(r['fit-now']['errors'])} | {r['mean']['kl']:.4f} / {r['fit-before']['kl']:.4f} / "
-                  f"{r['fit-now']['kl']:.4f} | {best} {r['mixes'][best]:.4f} |", flush=True)
+                  f"{r['fit-now']['kl']:.4f} | {best} {r['mixes'][best]:.4f} | {(r['check'] or {}).get('written')} |",
+                  flush=True)
             if args.json:
                 with args.json.open("a") as f:
                     f.write(json.dumps({"case": case, "seed": seed, "tokens": args.tokens, **r}) + "\n")

@@ -43,10 +43,12 @@ TEXT = [f"data.train.files=[{TRAIN}]"]
 KD = [f"distill.teacher={SOURCE}", "distill.alpha_kd=1.0"]
 
 
-def samples(tokens: int | str = "BUDGET") -> list[str]:
+def samples(tokens: int | str = "BUDGET", top_p: float | None = None) -> list[str]:
     """Train on `tokens` of the source's own samples (data.train.teacher_samples; BUDGET: as many as the
-    cell's uptraining tokens, every token fresh), not the shipped text."""
-    return ["data.train.files=null", f"data.train.teacher_samples={{tokens: {tokens}, max_new_tokens: 256}}",
+    cell's uptraining tokens, every token fresh; top_p: the sampling's, else the config's 0.95), not the
+    shipped text."""
+    nucleus = "" if top_p is None else f", top_p: {top_p}"
+    return ["data.train.files=null", f"data.train.teacher_samples={{tokens: {tokens}, max_new_tokens: 256{nucleus}}}",
             "data.repeat_data=true"]
 
 
@@ -61,6 +63,13 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     "recipe-samples-lr2.5e-4": ("quality", [*samples(), *KD, "optim.lr=2.5e-4"]),
     "recipe-samples-lr2e-3": ("quality", [*samples(), *KD, "optim.lr=2e-3", "optim.warmup_steps=50"]),
     "recipe-samples-512": ("quality", [*samples(), *KD, "data.seq_len=512", "batch.micro_batch=2"]),
+    "recipe-samples-lr5e-4-attention": ("quality", [*samples(), *KD, "optim.lr=5e-4", "trainable=attention"]),
+    "recipe-samples-lr1e-3-attention": ("quality", [*samples(), *KD, "optim.lr=1e-3", "trainable=attention"]),
+    "recipe-samples-lr5e-4-T2": ("quality", [*samples(), *KD, "optim.lr=5e-4", "distill.temperature=2.0"]),
+    "recipe-samples-lr5e-4-top_p1": ("quality", [*samples(top_p=1.0), *KD, "optim.lr=5e-4"]),
+    # the control: the source itself (nothing converted) distilled from itself on its samples, the
+    # recipe's own floor: how far from the source the recipe's noise leaves a student that starts exact
+    "control-source-samples-lr5e-4": ("source", [*samples(), *KD, "optim.lr=5e-4"]),
 }
 
 
@@ -81,7 +90,10 @@ def run(cmd: list[str], log: Path) -> float:
 
 
 def start(kind: str, kv: int, out: Path) -> tuple[Path, float]:
-    """The converted start (made once per kind and K/V count) and the CPU seconds it took to make."""
+    """The converted start (made once per kind and K/V count) and the CPU seconds it took to make
+    (`source`: the source itself, unconverted: the control)."""
+    if kind == "source":
+        return SOURCE, 0.0
     folder = out / f"start-{kind}-kv{kv}"
     stamp = folder / "cpu_seconds.json"
     if not stamp.is_file():
@@ -204,7 +216,7 @@ def main() -> None:
 
     transformers.AutoConfig, transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: B018
     jobs = [(c, kv) for kv in args.kv_heads for c in args.cells.split(",")]
-    for kind in {CELLS[c][0] for c, _ in jobs}:  # starts first, one at a time (each is shared)
+    for kind in {CELLS[c][0] for c, _ in jobs} - {"source"}:  # starts first, one at a time (each is shared)
         for kv in args.kv_heads:
             start(kind, kv, args.out)
     with ThreadPoolExecutor(args.jobs) as pool:

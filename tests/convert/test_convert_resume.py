@@ -147,6 +147,29 @@ def test_kept_layers_are_whole_files_and_load_as_saved(tmp_path):
     assert not kept.folder.exists()
 
 
+def test_a_kill_before_a_kept_layer_is_renamed_leaves_no_layer_under_its_name(uninterrupted, tmp_path):
+    """SIGKILL (no handler runs) once layer 1 is written and synced under its temporary name, before
+    the rename: only layer 0 is kept, and the rerun makes layer 1 again and equals an uninterrupted
+    conversion. Red when a kept layer is written under its final name (it is then found as kept
+    before it was whole)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "UPTRAIN_TEST_PAUSE_AT": "keeping-written-1:30"}
+    cmd = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), *BASE, *KINDS["similar"], "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    for line in proc.stderr:
+        if line.strip() == "paused at keeping-written-1":
+            proc.kill()
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    (folder,) = tmp_path.glob(".out.layers-*")
+    assert KeptLayers(folder).indices() == [0], sorted(p.name for p in folder.iterdir())
+    finished = _convert(out, KINDS["similar"])
+    assert finished.returncode == 0, finished.stderr
+    assert "continues an interrupted conversion: layer 0 of 5" in " ".join(finished.stdout.split())
+    _assert_same_output(out, uninterrupted["similar"])
+
+
 def test_the_key_changes_with_every_input_of_the_layers(tmp_path):
     source = tmp_path / "src"
     source.mkdir()

@@ -292,6 +292,7 @@ def test_the_stream_keeps_what_its_users_need_between_them():
     assert stream_keep(["moments", "moments"]) == "moments"
     assert stream_keep(["moments", "attention", "moments"]) == "attention"
     assert stream_keep(["layer", "moments"]) == "layer"
+    assert stream_keep(["all", "attention"]) == stream_keep(["layer", "all"]) == stream_keep(["all"]) == "all"
     with pytest.raises(ValueError, match="need attention and layer kept"):
         stream_keep(["attention", "layer"])
 

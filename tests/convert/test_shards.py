@@ -41,6 +41,34 @@ def test_written_shards_read_back_with_safetensors(tmp_path):
         assert read[name].dtype == t.dtype and torch.equal(read[name], t), name
 
 
+def test_a_written_tensor_is_overwritten_in_place_and_nothing_else_changes(tmp_path):
+    """`ShardWriter.overwrite` (the whole-model check writing mean pooling's start over the chosen one):
+    every tensor of several shards, of every dtype, overwritten in turn reads back as the new value
+    while every other tensor keeps its bytes; off-plan tensors and an open writer are refused."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=gen), "b.bf16": torch.randn(7, generator=gen).bfloat16(),
+               "c.int": torch.arange(6).view(2, 3), "d.half": torch.randn(4, 4, generator=gen).half(),
+               "e.big": torch.randn(300, generator=gen)}
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype).stored() for n, t in tensors.items()]
+    writer = ShardWriter(tmp_path, specs, max_shard_bytes=64)
+    for name, t in tensors.items():
+        writer.write(name, t)
+    with pytest.raises(RuntimeError, match="writer closed"):
+        writer.overwrite("a", torch.zeros(3, 5))
+    writer.close()
+    want = dict(tensors)
+    for name, t in tensors.items():
+        new = (t.float() * -3 + 1).to(t.dtype)
+        writer.overwrite(name, new)
+        want[name] = new
+        read = {k: v for f in writer.files for k, v in load_file(f).items()}
+        assert all(torch.equal(read[k], want[k]) for k in want), name
+    with pytest.raises(RuntimeError, match="does not match a planned tensor"):
+        writer.overwrite("a", torch.zeros(5, 3))
+    with pytest.raises(RuntimeError, match="does not match a planned tensor"):
+        writer.overwrite("zz", torch.zeros(1))
+
+
 def test_writer_refuses_tensors_off_plan(tmp_path):
     writer = ShardWriter(tmp_path, [TensorSpec("a", (2,), torch.float32).stored()], 100)
     with pytest.raises(RuntimeError, match="does not match the plan"):

@@ -146,3 +146,31 @@ def test_data_errors_name_the_command_line_options(capsys, monkeypatch):
     assert main([gqa, "--dataset", "org/data"]) == 2
     err = capsys.readouterr().err
     assert "--data FILE" in err and "data.train.files" not in err, err
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_scoring_is_never_silent(reference, monkeypatch, capsys) -> None:
+    """Issue 50: `uptrain.eval` was silent for the whole scoring of each model. With a line allowed
+    at any moment (UPTRAIN_PROGRESS_EVERY=0), every window scored but the last of a model gives one,
+    tokens growing to the total, with and without a reference. Red when the windows do not tick."""
+    import re
+
+    monkeypatch.setenv("UPTRAIN_PROGRESS_EVERY", "0")
+    texts = read_documents(DataSource(files=[str(VALID)]))[:3]
+    results = evaluate_paths([str(EXAMPLE_MHA8)], texts, max_length=64, stride=32,
+                             reference=str(EXAMPLE_MHA8) if reference else None)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "tokens scored" in line]
+    counts = [tuple(int(x.replace(",", "")) for x in re.search(r"([\d,]+) of ([\d,]+) tokens", line).groups())
+              for line in lines]
+    windows = sum(len(window_spans(n, 64, 32)) for n in (len(t) for t in _token_ids(texts)))
+    assert len(counts) == windows - 1 > 10
+    assert all(total == results[0].tokens for _, total in counts)
+    assert [done for done, _ in counts] == sorted({done for done, _ in counts}) and counts[-1][0] < results[0].tokens
+    assert all(line.startswith("  model 1/1: ") and line.endswith(" s left") for line in lines)
+
+
+def _token_ids(texts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
+    return [tokenizer(t)["input_ids"] for t in texts]

@@ -55,6 +55,11 @@ def test_two_processes_match_one_process_with_the_same_global_batch(sgd_runs):
     val_two = [(r["val_loss"], r["val_tokens"]) for r in read_metrics(double) if "val_loss" in r]
     assert [t for _, t in val_one] == [t for _, t in val_two] == [3 * 63] * 3
     assert [v for v, _ in val_two] == pytest.approx([v for v, _ in val_one], abs=1e-5)
+    # Against the teacher too (the student starts as the teacher, exactly: KL 0 at step 0): summed over
+    # both processes' blocks, not one process's share.
+    for key in ("val_kl_to_teacher", "val_top1_agreement"):
+        one_p, two_p = ([r[key] for r in read_metrics(run) if "val_loss" in r] for run in (single, double))
+        assert len(one_p) == 3 and one_p[-1] > 1e-3 and two_p == pytest.approx(one_p, abs=1e-5), key
 
     # One checkpoint folder for the run, holding both ranks' RNG state and the data position.
     (checkpoint,) = complete_checkpoints(double)

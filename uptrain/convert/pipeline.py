@@ -26,6 +26,7 @@ from uptrain.stopping import at_once
 from uptrain.convert.layers.calibrate import Calibration
 from uptrain.convert.layers.layerwise import describe_layerwise, fit_refusal, layerwise_settings
 from uptrain.convert.layers.refine_layer import LayerRefiner, RefineSettings, check_refine
+from uptrain.convert.layers.whole_check import WholeModelCheck
 from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside
 from uptrain.convert.io.source import (DTYPE_NAMES, SourceCheckpoint, auxiliary_files, count_hub_bytes, has_weights,
                                     hub_model_id, open_checkpoint, open_hub_headers, read_config, resolve_source)
@@ -129,6 +130,8 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         plan.refinement = refiner.record  # the same dict: per-layer errors appear as layers are written
         if start_note:
             plan.notes.append(start_note)
+    if getattr(layerwise, "checker", None) is not None:
+        plan.whole_model, plan.rewrite = {}, layerwise  # the verdict, once the last layer is converted
     if header_note:
         plan.notes.append(header_note)
     if out is not None and layerwise is not None and header_note is None:  # (not a plan from Hub headers)
@@ -204,8 +207,10 @@ def _layer_refiners(layerwise: Any, refine: RefineSettings | None, family: Famil
         layerwise.refiner = refiner
     if chooses:
         layerwise.chooser = refiner or LayerRefiner(RefineSettings(), family, text_config, calibration, user=user)
-        if refiner is None:
-            calibration.keep = "attention"  # the attention's inputs and outputs, to measure both starts on
+        if refiner is None:  # the start is the result: the whole model is checked too (`whole_check`)
+            calibration.keep = "all"  # the attention's inputs and outputs to measure both starts on, the layer to run
+            layerwise.checker = WholeModelCheck(calibration, text_config, family, text_config.num_hidden_layers,
+                                                user=user)
     return refiner
 
 
@@ -294,9 +299,32 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
                     writer.write(output.spec.name, tensor)
                 del tensor
         writer.close()
+        write_mean_if_closer(writer, source, plan, phases)
     finally:
         writer.release()
     return writer
+
+
+def write_mean_if_closer(writer: ShardWriter, source: SourceCheckpoint, plan: ConversionPlan, phases: Phases) -> None:
+    """Where the whole-model check found mean pooling's start closer to the source than the starts
+    chosen per layer (`whole_check`), write mean pooling's over them, tensor by tensor in place
+    (same names, shapes and dtypes), while the output is still the temporary folder."""
+    layerwise = plan.rewrite
+    verdict = getattr(getattr(layerwise, "checker", None), "verdict", None)
+    if verdict is None:
+        return
+    plan.whole_model = verdict
+    if verdict["written"] != "mean":
+        return
+    for output in layerwise.mean_outputs:
+        at_once.check()
+        with phases("read"):
+            tensors = [source.read(s) for s in output.sources]
+        with phases("pool"):
+            tensor = output.make(tensors).to(output.spec.dtype)
+        del tensors
+        with phases("write built"):
+            writer.overwrite(output.spec.name, tensor)
 
 
 def write_tensors(tmp: Path, planned: Planned, max_shard_bytes: int, phases: Phases) -> list[ShardWriter]:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,6 +46,11 @@ class ConversionPlan:
     # layer at a time with an output: where finished layers are kept while converting, and those an
     # interrupted run with the same arguments had kept (`io/kept_layers.py`)
     kept_layers: dict[str, Any] | None = None
+    # behind a key norm, --method fit --calib without --refine: the KL to the source of the model of the
+    # starts chosen per layer and of mean pooling's, and which was written (`layers/whole_check.py`)
+    whole_model: dict[str, Any] | None = None
+    # (not recorded) the layer-at-a-time settings whose mean pooling outputs that check may write
+    rewrite: ClassVar[Any] = None
 
     @property
     def group_size(self) -> int:

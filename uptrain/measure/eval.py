@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
@@ -72,11 +73,13 @@ class EvalResult:
 
 
 @torch.no_grad()
-def sequence_nll(model: torch.nn.Module, input_ids: torch.Tensor, max_length: int, stride: int) -> tuple[float, int]:
+def sequence_nll(model: torch.nn.Module, input_ids: torch.Tensor, max_length: int, stride: int,
+                 tick: Callable[[int], None] | None = None) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) and number of scored tokens of one sequence.
 
     `input_ids`: LongTensor [seq] or [1, seq]. Scored in windows of `window_spans`; the logits
-    `[1, window, vocab]` are taken in at least float32 for the log-softmax.
+    `[1, window, vocab]` are taken in at least float32 for the log-softmax. tick(n): called with
+    each window's scored tokens (`ScoringProgress`).
     """
     ids = input_ids.reshape(-1).to(model.device)
     total, count = 0.0, 0
@@ -84,7 +87,32 @@ def sequence_nll(model: torch.nn.Module, input_ids: torch.Tensor, max_length: in
         pred, targets = scored_window(model, ids, span)  # [n_scored, vocab], [n_scored]
         total += F.cross_entropy(pred, targets, reduction="sum").item()
         count += targets.numel()
+        if tick is not None:
+            tick(targets.numel())
     return total, count
+
+
+class ScoringProgress:
+    """Never silent while a model is scored (minutes on a long text): `tick(n)` after each window of n
+    scored tokens writes a line to stderr once UPTRAIN_PROGRESS_EVERY (10) s have passed since the last:
+    tokens scored of all, seconds, time left at the pace so far."""
+
+    def __init__(self, label: str, total_tokens: int):
+        from uptrain.convert.progress import progress_every
+
+        self.label, self.total, self.every = label, total_tokens, progress_every()
+        self.began = self.last = time.monotonic()
+        self.done = 0
+
+    def __call__(self, tokens: int) -> None:
+        self.done += tokens
+        now = time.monotonic()
+        if now - self.last < self.every or self.done >= self.total:
+            return
+        left = (now - self.began) / self.done * (self.total - self.done)
+        print(f"  {self.label}: {self.done:,} of {self.total:,} tokens scored in {now - self.began:.0f} s, "
+              f"~{left:.0f} s left", file=sys.stderr, flush=True)
+        self.last = now
 
 
 def evaluate(
@@ -93,11 +121,12 @@ def evaluate(
     max_length: int,
     stride: int,
     name: str = "model",
+    tick: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Token-weighted mean loss and perplexity of `model` over `token_sequences` (each [seq])."""
     total, count, docs = 0.0, 0, 0
     for ids in token_sequences:
-        nll, n = sequence_nll(model, ids, max_length, stride)
+        nll, n = sequence_nll(model, ids, max_length, stride, tick)
         total, count, docs = total + nll, count + n, docs + 1
     if count == 0:
         raise UsageError("no tokens to score: the data is empty or every document is one token long")
@@ -160,10 +189,11 @@ def load_reference(reference: str, paths: Sequence[str], texts: Sequence[str], m
 
 
 def evaluate_against(model: torch.nn.Module, reference: Reference, token_sequences: Iterable[torch.Tensor],
-                     max_length: int, stride: int, name: str = "model") -> EvalResult:
+                     max_length: int, stride: int, name: str = "model",
+                     tick: Callable[[int], None] | None = None) -> EvalResult:
     """`evaluate`'s result, its loss from the same logits (bitwise the same number), with the
     fidelity to `reference` filled in (uptrain.measure.fidelity)."""
-    docs, fid = reference.score(model, token_sequences, max_length, stride)
+    docs, fid = reference.score(model, token_sequences, max_length, stride, tick)
     total, count = 0.0, 0
     for d in docs:  # summed in evaluate's order
         total, count = total + d.nll, count + d.tokens
@@ -177,15 +207,14 @@ def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, 
                    dtype: str = "auto", device: str = "cpu", reference: str | None = None,
                    greedy: GreedySettings | None = None) -> list[EvalResult]:
     """Evaluate each model folder on `texts`, each with its own tokenizer; a line on stderr as each
-    model starts and ends (scoring a large text takes minutes: never silent that long).
+    model starts and ends, and while it is scored at most every ~10 s (`ScoringProgress`: scoring a
+    large text takes minutes: never silent that long).
 
     `reference`: a source folder every model is also measured against (uptrain.measure.fidelity),
     loaded once; a path that is the reference's uses the same model object (KL exactly 0). `greedy`:
     the greedy-agreement settings (None: the defaults, 16 prompts of 32 tokens, 32 continued, shrunk
     to fit the window). The loss is the same number with and without a reference.
     """
-    import time
-
     ref = None if reference is None else load_reference(reference, paths, texts, max_length, dtype, device, greedy)
     results = []
     for k, path in enumerate(paths, 1):
@@ -194,9 +223,10 @@ def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, 
         same = ref is not None and ref.is_path(path)
         model, tokenizer = (ref.model, ref.tokenizer) if same else load_model(path, dtype, device)
         _check_context(model, path, max_length)
-        docs = tokenize_texts(tokenizer, texts)
-        results.append(evaluate(model, docs, max_length, stride, name=path) if ref is None else
-                       evaluate_against(model, ref, docs, max_length, stride, name=path))
+        docs = list(tokenize_texts(tokenizer, texts))
+        tick = ScoringProgress(f"model {k}/{len(paths)}", sum(max(int(d.numel()) - 1, 0) for d in docs))
+        results.append(evaluate(model, docs, max_length, stride, name=path, tick=tick) if ref is None else
+                       evaluate_against(model, ref, docs, max_length, stride, name=path, tick=tick))
         kl = "" if ref is None else f", KL to source {results[-1].kl_to_source:.4f}"
         print(f"  done in {time.monotonic() - began:.1f} s: loss {results[-1].loss:.4f}{kl}", file=sys.stderr,
               flush=True)

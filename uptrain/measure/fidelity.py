@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,15 +161,18 @@ def window_fidelity(pred: torch.Tensor, ref_pred: torch.Tensor, targets: torch.T
 
 @torch.no_grad()
 def sequence_fidelity(model: torch.nn.Module, reference: torch.nn.Module, ids: torch.Tensor,
-                      max_length: int, stride: int) -> FidelitySums:
+                      max_length: int, stride: int, tick: Callable[[int], None] | None = None) -> FidelitySums:
     """Sums of one document (`ids`: LongTensor [seq] or [1, seq]) in `window_spans` windows, both
-    models' logits one window at a time. `reference is model`: its logits are reused (KL exactly 0)."""
+    models' logits one window at a time. `reference is model`: its logits are reused (KL exactly 0).
+    tick(n): called with each window's scored tokens (a progress line: `eval.ScoringProgress`)."""
     ids = ids.reshape(-1).to(model.device)
     sums = FidelitySums()
     for span in window_spans(ids.numel(), max_length, stride):
         pred, targets = scored_window(model, ids, span)  # [n, vocab], [n]
         ref_pred = pred if reference is model else scored_window(reference, ids.to(reference.device), span)[0]
         sums = sums + window_fidelity(pred, ref_pred.to(pred.device), targets)
+        if tick is not None:
+            tick(targets.numel())
     return sums
 
 
@@ -276,9 +279,9 @@ class Reference:
         return Path(path).resolve() == self.resolved
 
     def score(self, model: torch.nn.Module, token_sequences: Iterable[torch.Tensor], max_length: int,
-              stride: int) -> tuple[list[FidelitySums], Fidelity]:
+              stride: int, tick: Callable[[int], None] | None = None) -> tuple[list[FidelitySums], Fidelity]:
         """Per-document sums and the Fidelity of `model` (the reference itself: KL 0, agreements 1, exactly)."""
-        docs = [sequence_fidelity(model, self.model, ids, max_length, stride) for ids in token_sequences]
+        docs = [sequence_fidelity(model, self.model, ids, max_length, stride, tick) for ids in token_sequences]
         if not any(d.tokens for d in docs):
             raise UsageError("no tokens to score: the data is empty or every document is one token long")
         ours = (self.continuations if model is self.model else

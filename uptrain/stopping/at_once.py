@@ -27,7 +27,8 @@ Test hook: UPTRAIN_TEST_PAUSE_AT="PHASE[:SECONDS]" makes `pause(PHASE)` print 'p
 on stderr the first time the run reaches PHASE and wait SECONDS (default 60) or until stopped.
 Phases: import, plan, copy (the kept tensors, also while planning), calibrate, start (a layer's closed-form start), inputs (a refinement's student and inputs), refine, solve (its output solve), write
 (building and writing shards), kept-K (layer K of a layer-at-a-time conversion kept for a rerun:
-`convert/io/kept_layers.py`; keeping-K: just before it is), rename (just before the folder is put in place).
+`convert/io/kept_layers.py`; keeping-K: just before it is; keeping-written-K: written and synced under its
+temporary name, not yet renamed), rename (just before the folder is put in place).
 """
 
 from __future__ import annotations

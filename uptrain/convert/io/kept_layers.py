@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from uptrain.stopping import at_once
+
 LAYER_FILE = re.compile(r"^layer-(\d{5})\.safetensors$")
 
 
@@ -149,6 +151,7 @@ class KeptLayers:
                       metadata={"uptrain": json.dumps(note, default=str)})
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+            at_once.pause(f"keeping-written-{index}")  # test hook: a kill between the write and the rename
             os.replace(tmp, path)
         except BaseException as err:
             tmp.unlink(missing_ok=True)

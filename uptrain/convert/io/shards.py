@@ -277,6 +277,31 @@ class ShardWriter:
         if self._position != len(self._queue):
             raise RuntimeError(f"wrote {self._position} of {len(self._queue)} planned tensors")
 
+    def overwrite(self, name: str, tensor: torch.Tensor) -> None:
+        """Write `tensor` over the written tensor `name` (closed writer), in place: its name, shape and
+        dtype must be those planned. The position is read from the shard's own header."""
+        import torch
+
+        from uptrain.convert.io.source import DTYPE_NAMES
+
+        if self._fd is not None or self._position != len(self._queue):
+            raise RuntimeError("a tensor is overwritten only once every planned tensor is written and the writer closed")
+        shard, spec = next(((i, s) for i, s in self._queue if s.name == name), (None, None))
+        if spec is None or (tuple(tensor.shape), DTYPE_NAMES[tensor.dtype]) != (spec.shape, spec.dtype):
+            raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} does not match a planned tensor of this writer")
+        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        fd = os.open(self.files[shard], os.O_RDWR)
+        try:
+            size = int.from_bytes(os.pread(fd, 8, 0), "little")
+            begin, end = json.loads(os.pread(fd, size, 8))[name]["data_offsets"]
+            if end - begin != len(data):
+                raise RuntimeError(f"tensor {name}: {len(data)} bytes for a place of {end - begin}")
+            at, done = 8 + size + begin, 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:done + _CHUNK], at + done)
+        finally:
+            os.close(fd)
+
     def discard(self) -> None:
         """Close and delete whatever this writer wrote."""
         self.release()

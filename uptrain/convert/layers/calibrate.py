@@ -314,6 +314,12 @@ class Calibration:
                 self._start()
             return self._streaming().first_inputs()
 
+    def kl_to_source(self, tracks: dict[str, list[torch.Tensor]], user: int = 0) -> tuple[dict[str, float], int]:
+        """Once the stream ran every layer: each converted model's KL to the source on the first
+        calibration sequences (`LayerStream.kl_to_source`), with `user`'s torch threads."""
+        with torch_threads(self.user(user).threads or self._threads):
+            return self._streaming().kl_to_source(tracks)
+
     def _streaming(self) -> LayerStream:
         if self._stream is None:
             why = self.record.get("why_not_streamed", "the calibration has not started")

@@ -70,7 +70,9 @@ def fit_start(family: Family, config: dict[str, Any], head_dim: int) -> str | No
                      f"attention input's moments: --calib's, else Σ = I), {kept}; queries unchanged "
                      f"(their own norm would undo scales folded into them); values and outputs fitted; with --calib, "
                      f"each layer keeps the fit's start or mean pooling's, whichever has the lower attention-output "
-                     f"error on the calibration text (the linear picture behind a norm can miss)")
+                     f"error on the calibration text (the linear picture behind a norm can miss), and without "
+                     f"--refine, where the whole model of those starts is further from the source than mean "
+                     f"pooling's (KL on the calibration text), mean pooling's on every layer")
     elif rotary is not None and rotary < head_dim:
         parts.append(f"partial rotary: keys fitted on the {rotary // 2} rotary planes of the first {rotary} "
                      f"of {head_dim} dims and by a least-squares key block with a map per head folded "

@@ -8,6 +8,8 @@ records what the conversion will ask for, and right after keeps only that (`keep
   attention  + the attention's inputs, call arguments and outputs per sequence (refinement on the
              original inputs: its inputs and targets) and, of the module, only the attention's norms
   layer      + the whole module (refinement on the converted model's own inputs runs it again)
+  all        both: the attention's recordings and the whole module (the start chosen per layer on the
+             recordings, the whole model's check running the converted models through the module)
 
 Then it answers: `moments()` (once per user of the stream), `recorded()`, `examples_on(...)`,
 `run_with(...)`; `free()` gives the module back to meta and drops the recordings (the stream frees
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from uptrain.stopping import at_once
 from uptrain.convert.math.capture import Captured, Moments, StopForward, recording, summing_moments
 
-KEEP = ("moments", "attention", "layer")
+KEEP = ("moments", "attention", "layer", "all")
 
 
 class LayerGone(RuntimeError):
@@ -109,7 +111,7 @@ class Layer:
         with ExitStack() as hooks:
             hooks.enter_context(summing_moments(self._module.get_submodule(self._projection), moments))
             if self.keep != "moments":  # inputs and call arguments; outputs (the targets) for original inputs
-                hooks.enter_context(recording(self.attention, self._captured, outputs=self.keep == "attention",
+                hooks.enter_context(recording(self.attention, self._captured, outputs=self.keep != "layer",
                                               device="cpu"))
             for s, x in enumerate(activations):
                 at_once.check()  # Ctrl-C: stop within a sequence, not at the end of the layer
@@ -124,7 +126,7 @@ class Layer:
     def _keep_only_what_is_asked(self) -> None:
         """At 70B widths the MLP alone is 2.6 GiB in float32 and the attention's matrices 1 GiB,
         otherwise held through the layer's fit and refinement."""
-        if self.keep != "layer":
+        if self.keep not in ("layer", "all"):
             attention = self.attention
             free_parameters(self._module, keep=attention if self.keep == "attention" else None)
             free_parameters(attention, linear_only=True)
@@ -180,7 +182,7 @@ class Layer:
 
     def recorded(self) -> Captured:
         """The attention's inputs [T, D], call arguments and outputs [T, D] (float32, CPU) per sequence, as run."""
-        self._holding("the attention's recorded inputs and outputs", ("attention",))
+        self._holding("the attention's recorded inputs and outputs", ("attention", "all"))
         return self._captured
 
     @torch.no_grad()
@@ -188,7 +190,7 @@ class Layer:
         """What refinement on the converted model's own inputs learns from: the attention's inputs and
         call arguments when the layer runs on `activations` (per sequence [T, D]; the layer stops at its
         attention: its input path is the original's), and as outputs the ORIGINAL attention's on them."""
-        self._holding("its module", ("layer",))
+        self._holding("its module", ("layer", "all"))
         captured = Captured()
         with self._use:
             with recording(self._attention, captured, stop=True, device="cpu"):
@@ -206,7 +208,7 @@ class Layer:
     def run_with(self, attention: nn.Module, activations: list[Tensor]) -> None:
         """Run the layer with `attention` in place of its own over `activations`, in place: they become
         the next layer's inputs (the converted model's own, with this layer converted)."""
-        self._holding("its module", ("layer",))
+        self._holding("its module", ("layer", "all"))
         with self._use:
             self._module.set_submodule(self._attention_name, attention)
             try:

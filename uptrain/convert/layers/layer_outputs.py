@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from uptrain.stopping import at_once
+from uptrain.convert.layers.calibrate import layer_index
 from uptrain.convert.layers.fit_start import clip_note
 from uptrain.convert.layers.layerwise import Layerwise, transform_layer
 from uptrain.convert.registry.architectures import Family
@@ -90,6 +91,8 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
         compute = partial(_convert_layer, layer=layer, layer_norms=layer_norms, change=change, layout=layout,
                           first=layer == first_layer, layers=len(layers))
         caches[layer] = _LayerCache(compute, keys + norm_keys, set(keys) | set(layer_norms), layer)
+    if settings.checker is not None:  # mean pooling's start of every layer, written where the check says
+        settings.mean_outputs = _mean_outputs(outputs, change, layers, sources_of, norms, layout)
     result = []
     started: set[str] = set()
     for output in outputs:
@@ -120,7 +123,10 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
         settings.on_layer.begin()  # the time left counts from the first layer, not from the start
     found = settings.kept.load(index) if settings.kept is not None else None
     if found is not None:
-        return _kept_layer(found, layer, index, settings, layers)
+        done = _kept_layer(found, layer, index, settings, layers)
+        if settings.checker is not None:  # the kept start is the chosen one; mean pooling's made again
+            _check_whole(settings, layer, done, _start(ts, layer, layer_norms, change, layout, "mean"))
+        return done
     done = _make_layer(ts, layer, layer_norms, change, layout, layers)
     if settings.kept is not None:
         refiner = settings.refiner
@@ -136,6 +142,9 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
             f"layer {index} converted ({change.method}; start: {'the fit' if chosen['start'] == 'fit' else 'mean pooling'}"
             f"'s, calibration error {chosen['fit']:.4f} fit, {chosen['mean']:.4f} mean)" if chosen
             else f"layer {index} converted ({change.method})"))
+    if getattr(settings.checker, "pending", None) is not None:
+        (chosen, mean), settings.checker.pending = settings.checker.pending, None
+        _check_whole(settings, layer, chosen, mean)
     return done
 
 
@@ -180,10 +189,70 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
             start = mean if picked[0] == "mean" else start
         if settings.chosen and len(settings.chosen) == layers and settings.notes is not None:
             settings.notes.append(chosen_note(settings.chosen))
+        if picked is not None and settings.checker is not None:
+            settings.checker.pending = (start, mean)  # run after the layer's line (`_convert_layer`)
     done = settings.refiner(layer, start) if settings.refiner is not None else start
     if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
         settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
     return done
+
+
+def _check_whole(settings: Layerwise, layer: str, chosen: dict[str, torch.Tensor], mean: dict[str, torch.Tensor]) -> None:
+    """Layer `layer` run in both whole models of the check (`whole_check`); after the last, its note
+    in the plan and a progress line."""
+    from uptrain.convert.layers.whole_check import verdict_note
+
+    named = getattr(settings.on_layer, "phase", None)
+    what = f"layer {layer_index(layer)}: the whole-model check (the chosen starts' model and mean pooling's)"
+    with named(what) if named else nullcontext():
+        verdict = settings.checker.advance(layer, {"chosen": chosen, "mean": mean})
+    if verdict is None:
+        return
+    note = verdict_note(verdict)
+    if settings.notes is not None:
+        settings.notes.append(note)
+    line = getattr(settings.on_layer, "note", None)
+    if line is not None:
+        line(note)
+
+
+def _mean_outputs(outputs: list, change, layers: dict[str, dict[str, Any]], sources_of: dict[str, list],
+                  norms: dict[str, dict[str, Any]], layout: str | None) -> list:
+    """The attention outputs (and key norms carrying K/V heads) made as mean pooling's start of each
+    layer, in the head order the layer was converted in: what the whole-model check writes over the
+    chosen starts (`pipeline.build_outputs`). Built after every layer, so without the calibration."""
+    from dataclasses import replace
+
+    attention, made = change.family.attention, {}
+
+    def fallback():  # the settings once every layer is converted (their head orders known)
+        if "change" not in made:
+            s = change.layerwise
+            made["change"] = replace(change, layerwise=replace(
+                s, sigma=None, clip_qkv=None, clip_seen={}, permutations=dict(s.permutations), orders_fixed=True,
+                refiner=None, chooser=None, checker=None, kept=None, on_layer=None, notes=None))
+        return made["change"]
+
+    caches: dict[str, _LayerCache] = {}
+    for layer, parts in layers.items():
+        keys = sorted(parts)
+        layer_norms = norms.get(layer, {})
+        norm_keys = [f"{k}#{j}" for k, o in layer_norms.items() for j in range(len(o.sources))]
+        compute = (lambda ts, layer=layer, layer_norms=layer_norms:
+                   _start(ts, layer, layer_norms, fallback(), layout, "mean"))
+        caches[layer] = _LayerCache(compute, keys + norm_keys, set(keys) | set(layer_norms), layer)
+    result, started = [], set()
+    for output in outputs:
+        p = attention.match(output.spec.name)
+        layer = p.layer if p else _norm_layer(output.spec.name, change.family)
+        if layer not in caches or (not p and layer not in norms):
+            continue
+        key = f"{p.role}.{p.param}" if p else "norm:" + output.spec.name[len(layer):]
+        sources = () if layer in started else tuple(sources_of[layer])
+        started.add(layer)
+        result.append(replace(output, sources=sources, unchanged=False,
+                              make=lambda ts, cache=caches[layer], key=key: cache.take(key, ts)))
+    return _in_layer_order(result, change.family)
 
 
 def chosen_note(chosen: dict[int, dict[str, Any]]) -> str:

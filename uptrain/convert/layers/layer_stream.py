@@ -223,7 +223,7 @@ class LayerStream:
         self.activations, self.kwargs = self._catch(sequences, embedding, self.infos[embed_name])
         # `--refine-inputs converted`: layer 0's inputs, where each conversion starts its own
         # model's activations (`first_inputs`); None otherwise
-        self._first = [a.clone() for a in self.activations] if keep == "layer" else None
+        self._first = [a.clone() for a in self.activations] if keep in ("layer", "all") else None
         self.position = 0  # the next layer to run
         self.current: Layer | None = None
 
@@ -307,14 +307,49 @@ class LayerStream:
     @torch.no_grad()
     def source_loss(self, sequences: list[list[int]], max_tokens: int = SCORED_TOKENS) -> tuple[float, int]:
         """The source's mean next-token loss (nats/token) on the calibration text and the tokens scored:
-        once every layer ran, the model's own head (final norm, output projection, any logit scaling,
-        read from the checkpoint) over the last layer's outputs of the first sequences, up to
-        `max_tokens` tokens (at 7B width a 4,096-token head pass is ~10 s on a CPU). The decoder
-        layers stand in as replays of those outputs, so no layer runs again."""
+        once every layer ran, the model's own head (`_head`) over the last layer's outputs of the first
+        sequences, up to `max_tokens` tokens (at 7B width a 4,096-token head pass is ~10 s on a CPU)."""
+        total = count = 0.0
+        with self._head(max(len(s) for s in sequences)) as logits_of:
+            for s, seq in enumerate(sequences):
+                if count >= max_tokens or len(seq) < 2:
+                    continue
+                logits = logits_of(self.activations[s])
+                ids = torch.tensor(seq[1:], device=logits.device)
+                total += torch.nn.functional.cross_entropy(logits[:-1], ids, reduction="sum").item()
+                count += len(seq) - 1
+        return total / max(count, 1), int(count)
+
+    @torch.no_grad()
+    def kl_to_source(self, tracks: dict[str, list[torch.Tensor]]) -> tuple[dict[str, float], int]:
+        """KL(source || model) in nats/token of each model in `tracks` (name -> the last layer's outputs
+        [T, D] of the first len(...) calibration sequences, as that model computes them), against the
+        source's own outputs of the same sequences, both through the source's head (`_head`; a
+        conversion does not change it); and the tokens compared."""
+        count = len(next(iter(tracks.values())))
+        totals = dict.fromkeys(tracks, 0.0)
+        tokens = 0
+        with self._head(max(int(self.activations[s].shape[0]) for s in range(count))) as logits_of:
+            for s in range(count):
+                at_once.check()
+                source = torch.log_softmax(logits_of(self.activations[s]), -1)
+                for name, outputs in tracks.items():
+                    model = torch.log_softmax(logits_of(outputs[s]), -1)
+                    totals[name] += (source.exp() * (source - model)).sum().item()
+                tokens += int(source.shape[0])
+        return {name: total / max(tokens, 1) for name, total in totals.items()}, tokens
+
+    @contextmanager
+    def _head(self, longest: int) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """Once every layer ran: hidden states [T, D] after the last layer -> the model's logits [T, V]
+        (float32), by the model's own head (final norm, output projection, any logit scaling) read from
+        the checkpoint for the block. The decoder layers stand in as replays (the last returns the
+        hidden states given), so no layer runs again. StreamUnsupported where the head and the logits
+        of a `longest`-token sequence would exceed a quarter of the memory available."""
         if self.position != len(self.layers):
-            raise RuntimeError("the source's loss needs every layer run first")
+            raise RuntimeError("the head needs every layer run first")
         head_shape = self.model.get_output_embeddings().weight.shape  # [vocab, hidden]
-        need = 4 * head_shape[0] * (head_shape[1] + 2 * max(len(s) for s in sequences))  # head + logits, float32
+        need = 4 * head_shape[0] * (head_shape[1] + 2 * longest)  # head + logits, float32
         if need > available_memory() // 4:  # (Llama-3-70B: 4.2 GiB of head) the stream's own bound comes first
             raise StreamUnsupported(f"the output head and its logits ({need / 2**30:.1f} GiB in float32) exceed a "
                                     f"quarter of the memory available")
@@ -323,35 +358,33 @@ class LayerStream:
         head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         tied = self.infos.get(f"{names[id(embedding)]}.weight")  # a head tied to the embedding reads its rows
         restore = []
-        for mod_name, mod in self.model.named_modules():
-            for key, param in list(mod._parameters.items()):
-                if param is None or id(param) in in_layers or (param is embedding.weight and mod is not head):
-                    continue  # the layers are replayed, the embedding is not used (inputs_embeds)
-                info = self.infos.get(f"{mod_name}.{key}") or (tied if mod is head and key == "weight" else None)
-                if info is None:
-                    raise StreamUnsupported(f"the checkpoint has no tensor for {mod_name}.{key}")
-                restore.append((mod, key, param))
-                mod._parameters[key] = nn.Parameter(self.source.read(info).to(self.device, torch.float32),
-                                                    requires_grad=False)
         originals = list(self.layers)
-        total = count = 0.0
+        last = _Replay(originals[-1], None)
+
+        def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+            last.outputs = hidden
+            zeros = torch.zeros((1, *hidden.shape), device=self.device, dtype=torch.float32)
+            return self.model(inputs_embeds=zeros, use_cache=False).logits[0].float()
+
         try:
-            for s, seq in enumerate(sequences):
-                if count >= max_tokens or len(seq) < 2:
-                    continue
-                for i, layer in enumerate(originals):
-                    self.layers[i] = _Replay(layer, self.activations[s] if i == len(originals) - 1 else None)
-                hidden = self.activations[s].to(self.device, torch.float32)[None]
-                logits = self.model(inputs_embeds=torch.zeros_like(hidden), use_cache=False).logits[0].float()
-                ids = torch.tensor(seq[1:], device=logits.device)
-                total += torch.nn.functional.cross_entropy(logits[:-1], ids, reduction="sum").item()
-                count += len(seq) - 1
+            for mod_name, mod in self.model.named_modules():
+                for key, param in list(mod._parameters.items()):
+                    if param is None or id(param) in in_layers or (param is embedding.weight and mod is not head):
+                        continue  # the layers are replayed, the embedding is not used (inputs_embeds)
+                    info = self.infos.get(f"{mod_name}.{key}") or (tied if mod is head and key == "weight" else None)
+                    if info is None:
+                        raise StreamUnsupported(f"the checkpoint has no tensor for {mod_name}.{key}")
+                    restore.append((mod, key, param))
+                    mod._parameters[key] = nn.Parameter(self.source.read(info).to(self.device, torch.float32),
+                                                        requires_grad=False)
+            for i, layer in enumerate(originals):
+                self.layers[i] = last if i == len(originals) - 1 else _Replay(layer, None)
+            yield logits_of
         finally:
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
             for mod, key, param in restore:
                 mod._parameters[key] = param
-        return total / max(count, 1), int(count)
 
     def _ticker(self, what: str, total: int) -> Callable[[int], None] | None:
         """A tick per sequence of a pass (`calibrate layer 3: sequence 40/128, ~12 s left in this layer`

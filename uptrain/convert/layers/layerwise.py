@@ -60,6 +60,12 @@ class Layerwise:
     # their output error on the calibration text (`refine_layer.LayerRefiner.choose`); None: the fit's
     chooser: Any = None
     chosen: dict[int, dict[str, Any]] = field(default_factory=dict)  # layer -> {"fit": error, "mean": error, "start"}
+    # with the chooser and no refiner: the whole model of the chosen starts against mean pooling's
+    # (`whole_check.WholeModelCheck`), and the outputs that write mean pooling's start on every layer
+    # where it is the closer (`layer_outputs.rewrite_outputs`)
+    checker: Any = None
+    mean_outputs: list[Any] = field(default_factory=list)
+    orders_fixed: bool = False  # --grouping similar: take each layer's head order from `permutations`
 
 
 def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
@@ -131,7 +137,9 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
     gamma = t.pop("knorm.weight", None)
 
     perm = list(range(heads))
-    if settings.grouping == "similar":
+    if settings.grouping == "similar" and settings.orders_fixed:
+        perm = settings.permutations[layer]  # the order the layer was converted in (the whole-model check)
+    elif settings.grouping == "similar":
         sim = head_similarity(_augment(t["k.weight"], t.get("k.bias"), heads, True),
                               _augment(t["v.weight"], t.get("v.bias"), heads, True), full,
                               aligned=method == "fit" and rule.norm is None, planes=rotary_planes(hd, settings.interleaved))

@@ -115,7 +115,7 @@ def _empty_student(original, config: Any, device: torch.device) -> nn.Module:
 
 
 
-def _student(original, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
+def student_attention(original, config: Any, family: Family, start: dict[str, Tensor], device: torch.device) -> nn.Module:
     """The family's attention class with the converted config, float32, holding `start`; what the
     conversion leaves unchanged (a shared key/query norm) copied from the `original` layer's attention."""
     attention = original.attention
@@ -215,7 +215,7 @@ class LayerRefiner:
         phase = self._phase(original.index)
         with phase("the student and its inputs"):
             at_once.pause("inputs")
-            student = _student(original, self.config, self.family, start, original.device)
+            student = student_attention(original, self.config, self.family, start, original.device)
             inputs, call, targets = self._examples(original)
         if len(inputs) < 2:
             raise UsageError(f"--refine needs at least 2 calibration sequences (one is held out), --calib gave "
@@ -244,8 +244,9 @@ class LayerRefiner:
         with self._phase(original.index)("the start: the fit's or mean pooling's, by their calibration error"):
             inputs, call, targets = self._examples(original)
             every = range(len(inputs))
-            errors = {name: refine.relative_error(_student(original, self.config, self.family, start, original.device),
-                                                  call, inputs, targets, every) for name, start in starts.items()}
+            errors = {name: refine.relative_error(
+                student_attention(original, self.config, self.family, start, original.device), call, inputs, targets,
+                every) for name, start in starts.items()}
         return min(errors, key=errors.__getitem__), errors
 
     def replay(self, layer: str, state: dict[str, Tensor], row: dict[str, Any]) -> None:

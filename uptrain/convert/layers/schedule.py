@@ -75,11 +75,14 @@ class StreamStopped(RuntimeError):
 
 def stream_keep(keeps: list[str]) -> str:
     """What the stream keeps of each layer for users who need `keeps`: every keep has the moments,
-    so 'moments' gives way to the other; 'attention' and 'layer' together cannot be kept (ValueError)."""
+    so 'moments' gives way to the other; 'all' holds what 'attention' and 'layer' hold; 'attention' and
+    'layer' together cannot be kept (ValueError)."""
     for keep in keeps:
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, not {keep!r}")
     needs = sorted(set(keeps) - {"moments"})
+    if "all" in needs:
+        return "all"
     if len(needs) > 1:
         raise ValueError(f"the users of one calibration stream need {' and '.join(needs)} kept; a stream keeps one "
                          f"of them (every user of a sweep refines on the same inputs)")

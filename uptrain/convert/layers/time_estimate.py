@@ -60,7 +60,7 @@ PROBE_MARGIN = 1.25
 def _probe_student(config: Any, device: torch.device) -> tuple[nn.Module, nn.Module | None]:
     """An attention module of the converted family and shape (random weights, float32, on `device`)
     and the model's rotary embedding module (None where the attention has its own), built like
-    `refine_layer._student`: the class of a decoder layer's attention of a one-layer model made on `meta`."""
+    `refine_layer.student_attention`: the class of a decoder layer's attention of a one-layer model made on `meta`."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)

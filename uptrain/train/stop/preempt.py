@@ -28,7 +28,8 @@ counts as the same press: a terminal sends Ctrl-C to the launcher and to its wor
 `accelerate launch` / torchrun forward it to the workers again.
 
 Test hooks (environment; our own code sending itself real signals at a chosen point):
-  UPTRAIN_TEST_SIGNAL_AT="STEP:RANK:SIGNAME"   rank RANK signals itself after step STEP
+  UPTRAIN_TEST_SIGNAL_AT="STEP:RANK:SIGNAME[:AFTER_S]"   rank RANK signals itself after step STEP
+      (then sleeps AFTER_S: the rest of a long step, spent from the grace before the stop is decided)
   UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="STEP:SIGNAME[:DELAY_S[:until-stop]]"   the main process
       signals itself while writing checkpoint STEP (after the state files, before the completion
       mark), after sleeping DELAY_S (a slow write); SIGNAME "none": only the sleep; "until-stop":
@@ -214,12 +215,14 @@ def _parse(value: str) -> list[str]:
 
 
 def _test_signal_at(step: int, rank: int) -> None:
-    """Test hook: UPTRAIN_TEST_SIGNAL_AT="STEP:RANK:SIGNAME" signals this process after step STEP."""
+    """Test hook: UPTRAIN_TEST_SIGNAL_AT="STEP:RANK:SIGNAME[:AFTER_S]" signals this process after step
+    STEP, then sleeps AFTER_S seconds (default 0)."""
     hook = os.environ.get("UPTRAIN_TEST_SIGNAL_AT")
     if hook:
-        at, who, name = _parse(hook)
+        at, who, name, *after = _parse(hook)
         if int(at) == step and int(who) == rank:
             os.kill(os.getpid(), getattr(signal, name))
+            time.sleep(float(after[0]) if after else 0.0)
 
 
 def _test_signal_in_setup(phase: str, where: str = "start") -> None:
