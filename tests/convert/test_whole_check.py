@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TRAIN_TXT
+from conftest import REPO, TRAIN_TXT, VALID_TXT
 from tiny import load
 from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert.layers import whole_check
@@ -153,3 +153,25 @@ def test_a_stopped_conversion_continued_checks_the_whole_model_the_same(pause, t
     for name in written:
         torch.testing.assert_close(written[name], uninterrupted[name], rtol=0, atol=1e-6, msg=name)
         torch.testing.assert_close(written[name], mean[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_sweep_checks_each_count_as_its_conversion_does(trained, tmp_path):
+    """`uptrain.sweep --method fit --calib` on the trained key-norm model: each K/V count a user of one
+    calibration stream, each checked on its own (the head pass one user at a time). Before: the sweep
+    stopped with LayerGone (the two starts each took the layer's moments) and, once past that, two
+    users' head passes ran into each other. Its 2-K/V-head model equals the single conversion's."""
+    out = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "uptrain.sweep", str(TRAINED), "--data", str(VALID_TXT),
+                           "--out", str(out), "--method", "fit", "--calib", str(TRAIN_TXT),
+                           "--calib-tokens", str(TOKENS), "--threads", "1"], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdicts = {kv: json.loads((out / f"kv{kv}" / RECORD_FILE).read_text())["whole_model"] for kv in (1, 2, 4)}
+    assert all("kl_chosen" in v for v in verdicts.values()), verdicts
+    want = trained["record"]["whole_model"]
+    assert verdicts[2]["written"] == want["written"] and verdicts[2]["kl_mean"] == pytest.approx(want["kl_mean"],
+                                                                                                 rel=1e-4)
+    written, single = _tensors(out / "kv2"), _tensors(trained["base"] / "fit")
+    for name in written:
+        torch.testing.assert_close(written[name], single[name], rtol=0, atol=1e-6, msg=name)

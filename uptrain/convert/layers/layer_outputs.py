@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
@@ -180,6 +181,9 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     from uptrain.convert.layers.calibrate import layer_index
 
     settings = change.layerwise
+    if settings.chooser is not None and change.method == "fit" and settings.sigma is not None:
+        sigma = settings.sigma(layer)  # taken once, read by both starts (a sweep's user takes it once)
+        change = replace(change, layerwise=replace(settings, sigma=lambda _: sigma))
     start = _start(ts, layer, layer_norms, change, layout, change.method)
     if settings.chooser is not None and change.method == "fit":
         mean = _start(ts, layer, layer_norms, change, layout, "mean")

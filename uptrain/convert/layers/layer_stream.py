@@ -19,6 +19,7 @@ moments kept.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -226,6 +227,8 @@ class LayerStream:
         self._first = [a.clone() for a in self.activations] if keep in ("layer", "all") else None
         self.position = 0  # the next layer to run
         self.current: Layer | None = None
+        # the head pass swaps the model's layers for replays: one at a time (a sweep's users end in threads)
+        self._head_turn = threading.Lock()
 
     def first_inputs(self) -> list[torch.Tensor]:
         """A copy of the hidden states entering layer 0 (per sequence [T, D]), kept with keep='layer'."""
@@ -346,6 +349,13 @@ class LayerStream:
         the checkpoint for the block. The decoder layers stand in as replays (the last returns the
         hidden states given), so no layer runs again. StreamUnsupported where the head and the logits
         of a `longest`-token sequence would exceed a quarter of the memory available."""
+        with self._head_turn:
+            with self._head_loaded(longest) as logits_of:
+                yield logits_of
+
+    @contextmanager
+    def _head_loaded(self, longest: int) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """`_head`, one caller at a time."""
         if self.position != len(self.layers):
             raise RuntimeError("the head needs every layer run first")
         head_shape = self.model.get_output_embeddings().weight.shape  # [vocab, hidden]
