@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -78,15 +77,20 @@ def load() -> float:
 
 
 def run(cmd: list[str], log: Path) -> float:
-    """Run `cmd` (one thread), its output to `log`; the CPU seconds it used (children included)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run `cmd` (one thread), its output to `log`; the CPU seconds it used (its own children included).
+
+    Measured on that child alone (`os.wait4`). Before 2026-12-05 this was the difference of
+    RUSAGE_CHILDREN around the run, which with --jobs 2 also counted the other cell's process when
+    it ended meanwhile (CPU-s above the wall time in results/quality-curve.jsonl: `report` shows
+    those at most their wall time)."""
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {log}")
-    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return usage.ru_utime + usage.ru_stime
 
 
 def start(kind: str, kv: int, out: Path) -> tuple[Path, float]:
@@ -156,8 +160,12 @@ def report(record: Path, plot: Path) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f = r["final"]
-        cpu = "?" if r["train_cpu_s"] is None else f"{r['start_cpu_s'] + r['train_cpu_s']:,.0f}"
-        print(f"| {r['cell']} | {r['kv_heads']} | {r['start']} | {r['tokens']:,} | {cpu} "
+        train = r["train_cpu_s"]
+        if train is not None and r["wall_s"] and train > r["wall_s"]:  # (another cell counted: see `run`)
+            train = r["wall_s"]  # one thread: its own CPU time is at most its wall time
+        cpu = "?" if train is None else f"{r['start_cpu_s'] + train:,.0f}" + ("*" if train != r["train_cpu_s"] else "")
+        kv = "8 (the source)" if r["start"] == "source" else r["kv_heads"]
+        print(f"| {r['cell']} | {kv} | {r['start']} | {r['tokens']:,} | {cpu} "
               f"| {f['loss']:.3f} | {f['loss'] / SOURCE_LOSS - 1:+.1%} | {f['kl']:.3f} | {f['top1']:.1%} |")
     import matplotlib
 
