@@ -131,7 +131,7 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         if start_note:
             plan.notes.append(start_note)
     if getattr(layerwise, "checker", None) is not None:
-        plan.whole_model, plan.rewrite = {}, layerwise  # the verdict, once the last layer is converted
+        plan.rewrite = layerwise  # its check's verdict goes into the record once the last layer is converted
     if header_note:
         plan.notes.append(header_note)
     if out is not None and layerwise is not None and header_note is None:  # (not a plan from Hub headers)

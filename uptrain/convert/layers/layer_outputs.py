@@ -77,8 +77,6 @@ def rewrite_outputs(outputs: list, infos: list, change) -> list:
                 norms.setdefault(layer, {})["norm:" + output.spec.name[len(layer):]] = output
     caches: dict[str, _LayerCache] = {}
     sources_of: dict[str, list] = {}
-    from uptrain.convert.layers.calibrate import layer_index
-
     first_layer = min(layers, key=layer_index)
     for layer, parts in layers.items():
         keys = sorted(parts)
@@ -117,8 +115,6 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
                    first: bool, layers: int) -> dict[str, torch.Tensor]:
     """One layer's outputs (`_LayerCache.compute`): kept by an interrupted run with the same arguments
     (`settings.kept`, `io/kept_layers.py`), else made (`_make_layer`) and kept at once."""
-    from uptrain.convert.layers.calibrate import layer_index
-
     settings, index = change.layerwise, layer_index(layer)
     if first and settings.on_layer is not None and hasattr(settings.on_layer, "begin"):
         settings.on_layer.begin()  # the time left counts from the first layer, not from the start
@@ -126,7 +122,8 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
     if found is not None:
         done = _kept_layer(found, layer, index, settings, layers)
         if settings.checker is not None:  # the kept start is the chosen one; mean pooling's made again
-            _check_whole(settings, layer, done, _start(ts, layer, layer_norms, change, layout, "mean"))
+            mean = _start(ts, layer, layer_norms, _without_calibration(change), layout, "mean")
+            _check_whole(settings, layer, done, mean)
         return done
     done = _make_layer(ts, layer, layer_norms, change, layout, layers)
     if settings.kept is not None:
@@ -178,8 +175,6 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
                 layers: int) -> dict[str, torch.Tensor]:
     """One layer made: its start (`_start`; behind a key norm with --calib the fit's or mean pooling's,
     whichever the calibration text says is closer: `Layerwise.chooser`), refined where `--refine` asks."""
-    from uptrain.convert.layers.calibrate import layer_index
-
     settings = change.layerwise
     if settings.chooser is not None and change.method == "fit" and settings.sigma is not None:
         sigma = settings.sigma(layer)  # taken once, read by both starts (a sweep's user takes it once)
@@ -225,16 +220,11 @@ def _mean_outputs(outputs: list, change, layers: dict[str, dict[str, Any]], sour
     """The attention outputs (and key norms carrying K/V heads) made as mean pooling's start of each
     layer, in the head order the layer was converted in: what the whole-model check writes over the
     chosen starts (`pipeline.build_outputs`). Built after every layer, so without the calibration."""
-    from dataclasses import replace
-
     attention, made = change.family.attention, {}
 
     def fallback():  # the settings once every layer is converted (their head orders known)
         if "change" not in made:
-            s = change.layerwise
-            made["change"] = replace(change, layerwise=replace(
-                s, sigma=None, clip_qkv=None, clip_seen={}, permutations=dict(s.permutations), orders_fixed=True,
-                refiner=None, chooser=None, checker=None, kept=None, on_layer=None, notes=None))
+            made["change"] = _without_calibration(change)
         return made["change"]
 
     caches: dict[str, _LayerCache] = {}
@@ -259,6 +249,16 @@ def _mean_outputs(outputs: list, change, layers: dict[str, dict[str, Any]], sour
     return _in_layer_order(result, change.family)
 
 
+def _without_calibration(change):
+    """`change` for making mean pooling's start again once a layer's moments are taken: no moments
+    (mean pooling reads them only to order heads), each layer in the head order it was converted in,
+    nothing recorded, refined, kept or shown."""
+    s = change.layerwise
+    return replace(change, layerwise=replace(
+        s, sigma=None, clip_qkv=None, clip_seen={}, permutations=dict(s.permutations), orders_fixed=True,
+        refiner=None, chooser=None, checker=None, kept=None, on_layer=None, notes=None))
+
+
 def chosen_note(chosen: dict[int, dict[str, Any]]) -> str:
     """The plan's note on the per-layer choice of start behind a key norm (`_make_layer`)."""
     mean = [i for i, c in sorted(chosen.items()) if c["start"] == "mean"]
@@ -273,8 +273,6 @@ def _start(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any],
            method: str) -> dict[str, torch.Tensor]:
     """Layer `layer`'s closed-form start by `method` (`transform_layer`), the key norms carrying K/V
     heads as the fit merged them or as planned."""
-    from uptrain.convert.layers.calibrate import layer_index
-
     settings, d = change.layerwise, change.dims
     projections = {k: v for k, v in ts.items() if not k.startswith("norm:")}
     weights = sorted((k for k in layer_norms if k.endswith(".weight")), key=_head_number)
@@ -315,8 +313,6 @@ def _in_layer_order(outputs: list, family: Family) -> list:
     """The attention outputs moved into numeric layer order (0, 1, 2, ..., 10: tensor names sort
     10 before 2), the others left where they are: the calibration stream runs layer by layer, so
     layer L is built while the stream's state is at layer L (`--refine` needs its inputs)."""
-    from uptrain.convert.layers.calibrate import layer_index
-
     def layer(name: str) -> str | None:
         p = family.attention.match(name)
         return p.layer if p else _norm_layer(name, family)
