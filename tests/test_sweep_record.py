@@ -45,6 +45,25 @@ def test_a_rerun_with_another_checkpoint_at_the_same_path_redoes_every_number(tm
     assert _points(out)["mean kv4"]["loss"] == again["mean kv4"]["loss"]
 
 
+def test_a_held_out_text_edited_in_place_is_scored_again(tmp_path, capsys):
+    """The record holds the held-out text's content fingerprint: the same file edited in place (its
+    first story dropped) is scored again (the conversion, which does not read it, is kept), the line
+    says why; unedited, the numbers are kept. Red with the text's fingerprint left out of the record."""
+    data, out = tmp_path / "held-out.txt", tmp_path / "sweep"
+    shutil.copyfile(VALID_TXT, data)
+    args = [a if a != str(VALID_TXT) else str(data) for a in ARGS]
+    assert main([str(EXAMPLE_MHA8), *args, "--out", str(out)]) == 0
+    first = _points(out)
+    assert main([str(EXAMPLE_MHA8), *args, "--out", str(out)]) == 0
+    assert "mean kv4: kept from the earlier run" in capsys.readouterr().out
+    data.write_text(data.read_text().split("\n\n", 1)[1])
+    assert main([str(EXAMPLE_MHA8), *args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "source: done again, the earlier run's differs: data_sha256 " in printed, printed
+    assert "mean kv4: kept from the earlier run" in printed and "; scored again: data_sha256 " in printed, printed
+    assert _points(out)["mean kv4"]["loss"] != first["mean kv4"]["loss"]
+
+
 def test_the_fingerprint_is_the_content_and_a_changed_file_is_read_again(tmp_path):
     digests: dict = {}
     copy = shutil.copytree(EXAMPLE_MHA8, tmp_path / "copy")
