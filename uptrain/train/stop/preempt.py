@@ -35,9 +35,10 @@ Test hooks (environment; our own code sending itself real signals at a chosen po
       mark), after sleeping DELAY_S (a slow write); SIGNAME "none": only the sleep; "until-stop":
       the sleep ends early once a stop signal has reached this process (a write that lasts until
       a scheduler's signal, however late that comes within DELAY_S)
-  UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME[:end]"   signal itself as set-up enters PHASE, or
-      with ":end" once the phase's work is done (called where the work ends: `StopRequest.phase_done`,
-      after the checkpoint load and after the step-0 evaluation), still before the first step
+  UPTRAIN_TEST_SIGNAL_IN_SETUP="PHASE:SIGNAME[:end|:in-finalizer]"   signal itself as set-up enters
+      PHASE, or with ":end" once the phase's work is done (called where the work ends:
+      `StopRequest.phase_done`, after the checkpoint load and after the step-0 evaluation), still
+      before the first step; ":in-finalizer": as it enters PHASE, from inside a `__del__`
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -84,6 +86,7 @@ class StopRequest:
         self.received_at = None  # time.monotonic() of that signal
         self.phase = "starting"  # what set-up is doing (named when a signal stops it)
         self._in_setup = True  # until setup_done(): a signal raises StoppedInSetup at once
+        self._stopped_in: str | None = None  # the set-up phase a stop signal came in (`_raise_swallowed`)
         self._first_sigint = None
         self._group = None
         self._rank = 0
@@ -98,7 +101,15 @@ class StopRequest:
             self.signum, self.received_at = signum, time.monotonic()
         _STOP_SEEN.set()
         if self._in_setup:
+            self._stopped_in = self._stopped_in or self.phase
             raise StoppedInSetup(signal_name(self.signum), self.phase)
+
+    def _raise_swallowed(self) -> None:
+        """A stop the handler raised where it cannot propagate (it landed in a finalizer, a `__del__`
+        that a garbage collection ran: Python ignores exceptions there) still stops set-up, at its next
+        phase boundary, naming the phase the signal came in."""
+        if self._in_setup and self._stopped_in is not None:
+            raise StoppedInSetup(signal_name(self.signum), self._stopped_in)
 
     def _take_early_stop(self) -> None:
         signum, received_at, phase = safe_point.take()
@@ -109,15 +120,18 @@ class StopRequest:
 
     def enter(self, phase: str) -> None:
         """Set-up starts `phase` (a stop signal from here on names it)."""
+        self._raise_swallowed()
         self.phase = phase
         _test_signal_in_setup(phase)
 
     def phase_done(self) -> None:
         """The current phase's work is done (the test hook's ":end" point; still set-up)."""
         _test_signal_in_setup(self.phase, "end")
+        self._raise_swallowed()
 
     def setup_done(self) -> None:
         """The first step starts: from now on a signal only sets the flag (checkpoint after the step)."""
+        self._raise_swallowed()
         self._in_setup = False
 
     def since_signal(self) -> float | None:
@@ -142,10 +156,13 @@ class StopRequest:
             yield self
             return
         previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        unraisable = sys.unraisablehook
+        sys.unraisablehook = _quiet_stops(unraisable)
         try:
             self._take_early_stop()
             yield self
         finally:
+            sys.unraisablehook = unraisable
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -210,6 +227,16 @@ def stop_grace(configured: float | None, env) -> tuple[float | None, str, str | 
     return grace, source, None
 
 
+def _quiet_stops(previous):
+    """An unraisable-exception hook that passes over a stop raised where it could not propagate (a
+    `__del__`: `StopRequest._raise_swallowed` acts on it, no traceback for the user) and hands
+    anything else to `previous`."""
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, safe_point.Stopped):
+            previous(unraisable)
+    return hook
+
+
 def _parse(value: str) -> list[str]:
     return value.split(":")
 
@@ -234,6 +261,19 @@ def _test_signal_in_setup(phase: str, where: str = "start") -> None:
         at, name, *when = _parse(hook)
         if phase.split()[0] == at and (when or ["start"])[0] == where:
             os.kill(os.getpid(), getattr(signal, name))
+        elif phase.split()[0] == at and when == ["in-finalizer"]:
+            _SignalInFinalizer(getattr(signal, name))  # made and collected at once: its __del__ signals
+
+
+class _SignalInFinalizer:
+    """Test hook: the process signals itself inside this object's `__del__`, so the handler's exception
+    is raised in a finalizer, where Python ignores it (as when a garbage collection lands there)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)
 
 
 def signal_in_checkpoint_hook(step: int) -> None:
