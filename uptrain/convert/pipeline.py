@@ -290,11 +290,7 @@ def build_outputs(tmp: Path, source: SourceCheckpoint, plan: ConversionPlan, out
                     with phases("write built"), open(info.file, "rb") as f:
                         writer.copy(output.spec.stored(), f.fileno(), info.offset)
                     continue
-                with phases("read"):
-                    tensors = [source.read(s) for s in output.sources]
-                with phases("pool"):
-                    tensor = output.make(tensors).to(output.spec.dtype)
-                del tensors
+                tensor = _made(source, output, phases)
                 with phases("write built"):
                     writer.write(output.spec.name, tensor)
                 del tensor
@@ -318,13 +314,17 @@ def write_mean_if_closer(writer: ShardWriter, source: SourceCheckpoint, plan: Co
         return
     for output in layerwise.mean_outputs:
         at_once.check()
-        with phases("read"):
-            tensors = [source.read(s) for s in output.sources]
-        with phases("pool"):
-            tensor = output.make(tensors).to(output.spec.dtype)
-        del tensors
+        tensor = _made(source, output, phases)
         with phases("write built"):
             writer.overwrite(output.spec.name, tensor)
+
+
+def _made(source: SourceCheckpoint, output: OutputTensor, phases: Phases) -> torch.Tensor:
+    """One output tensor made from its source tensors (read, then pooled), in its planned dtype."""
+    with phases("read"):
+        tensors = [source.read(s) for s in output.sources]
+    with phases("pool"):
+        return output.make(tensors).to(output.spec.dtype)
 
 
 def write_tensors(tmp: Path, planned: Planned, max_shard_bytes: int, phases: Phases) -> list[ShardWriter]:
