@@ -307,12 +307,13 @@ class Calibration:
             return self._stream.prefixes.index(layer)
         return layer_index(layer)
 
-    def first_inputs(self) -> list[torch.Tensor]:
-        """A copy of layer 0's inputs, where a conversion refining on its own inputs starts them."""
+    def first_inputs(self, count: int | None = None) -> list[torch.Tensor]:
+        """A copy of layer 0's inputs (the first `count` sequences, None: all), where a conversion
+        refining on its own inputs, or checking its whole model, starts them."""
         with self._turn:
             if not self._started:
                 self._start()
-            return self._streaming().first_inputs()
+            return self._streaming().first_inputs(count)
 
     def kl_to_source(self, tracks: dict[str, list[torch.Tensor]], user: int = 0) -> tuple[dict[str, float], int]:
         """Once the stream ran every layer: each converted model's KL to the source on the first

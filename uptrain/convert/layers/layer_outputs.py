@@ -125,7 +125,7 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
             mean = _start(ts, layer, layer_norms, _without_calibration(change), layout, "mean")
             _check_whole(settings, layer, done, mean)
         return done
-    done = _make_layer(ts, layer, layer_norms, change, layout, layers)
+    done, check = _make_layer(ts, layer, layer_norms, change, layout, layers)
     if settings.kept is not None:
         refiner = settings.refiner
         student = getattr(refiner, "last_state", None) or {}
@@ -140,9 +140,8 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
             f"layer {index} converted ({change.method}; start: {'the fit' if chosen['start'] == 'fit' else 'mean pooling'}"
             f"'s, calibration error {chosen['fit']:.4f} fit, {chosen['mean']:.4f} mean)" if chosen
             else f"layer {index} converted ({change.method})"))
-    if getattr(settings.checker, "pending", None) is not None:
-        (chosen, mean), settings.checker.pending = settings.checker.pending, None
-        _check_whole(settings, layer, chosen, mean)
+    if check is not None:  # after the layer's line
+        _check_whole(settings, layer, *check)
     return done
 
 
@@ -172,10 +171,10 @@ def _kept_layer(found: tuple[dict[str, torch.Tensor], dict[str, Any]], layer: st
 
 
 def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any], change, layout: str | None,
-                layers: int) -> dict[str, torch.Tensor]:
+                layers: int) -> tuple[dict[str, torch.Tensor], tuple[dict, dict] | None]:
     """One layer made: its start (`_start`; behind a key norm with --calib the fit's or mean pooling's,
     whichever the calibration text says is closer: `Layerwise.chooser`), refined where `--refine` asks."""
-    settings = change.layerwise
+    settings, check = change.layerwise, None
     if settings.chooser is not None and change.method == "fit" and settings.sigma is not None:
         sigma = settings.sigma(layer)  # taken once, read by both starts (a sweep's user takes it once)
         change = replace(change, layerwise=replace(settings, sigma=lambda _: sigma))
@@ -189,14 +188,15 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
         if settings.chosen and len(settings.chosen) == layers and settings.notes is not None:
             settings.notes.append(chosen_note(settings.chosen))
         if picked is not None and settings.checker is not None:
-            settings.checker.pending = (start, mean)  # run after the layer's line (`_convert_layer`)
+            check = (start, mean)  # the chosen start and mean pooling's, for the whole-model check
     done = settings.refiner(layer, start) if settings.refiner is not None else start
     if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
         settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
-    return done
+    return done, check
 
 
-def _check_whole(settings: Layerwise, layer: str, chosen: dict[str, torch.Tensor], mean: dict[str, torch.Tensor]) -> None:
+def _check_whole(settings: Layerwise, layer: str, chosen: dict[str, torch.Tensor],
+                 mean: dict[str, torch.Tensor]) -> None:
     """Layer `layer` run in both whole models of the check (`whole_check`); after the last, its note
     in the plan and a progress line."""
     from uptrain.convert.layers.whole_check import verdict_note

@@ -230,11 +230,12 @@ class LayerStream:
         # the head pass swaps the model's layers for replays: one at a time (a sweep's users end in threads)
         self._head_turn = threading.Lock()
 
-    def first_inputs(self) -> list[torch.Tensor]:
-        """A copy of the hidden states entering layer 0 (per sequence [T, D]), kept with keep='layer'."""
+    def first_inputs(self, count: int | None = None) -> list[torch.Tensor]:
+        """A copy of the hidden states entering layer 0 (per sequence [T, D]; the first `count` sequences,
+        None: all), kept with keep='layer' or 'all'."""
         if self._first is None:
             raise LayerGone("the stream keeps layer 0's inputs only with keep='layer' (--refine-inputs converted)")
-        return [a.clone() for a in self._first]
+        return [a.clone() for a in self._first[:count]]
 
     @torch.no_grad()
     def _catch(self, sequences: list[list[int]], embedding: nn.Module, info: TensorInfo
@@ -349,52 +350,47 @@ class LayerStream:
         the checkpoint for the block. The decoder layers stand in as replays (the last returns the
         hidden states given), so no layer runs again. StreamUnsupported where the head and the logits
         of a `longest`-token sequence would exceed a quarter of the memory available."""
-        with self._head_turn:
-            with self._head_loaded(longest) as logits_of:
+        with self._head_turn:  # one caller at a time (the replays are the model's own layers)
+            if self.position != len(self.layers):
+                raise RuntimeError("the head needs every layer run first")
+            head_shape = self.model.get_output_embeddings().weight.shape  # [vocab, hidden]
+            need = 4 * head_shape[0] * (head_shape[1] + 2 * longest)  # head + logits, float32
+            if need > available_memory() // 4:  # (Llama-3-70B: 4.2 GiB of head) the stream's own bound comes first
+                raise StreamUnsupported(f"the output head and its logits ({need / 2**30:.1f} GiB in float32) exceed a "
+                                        f"quarter of the memory available")
+            names = {id(m): n for n, m in self.model.named_modules()}
+            in_layers = {id(p) for p in self.layers.parameters()}
+            head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+            tied = self.infos.get(f"{names[id(embedding)]}.weight")  # a head tied to the embedding reads its rows
+            restore = []
+            originals = list(self.layers)
+            last = _Replay(originals[-1], None)
+
+            def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+                last.outputs = hidden
+                zeros = torch.zeros((1, *hidden.shape), device=self.device, dtype=torch.float32)
+                return self.model(inputs_embeds=zeros, use_cache=False).logits[0].float()
+
+            try:
+                for mod_name, mod in self.model.named_modules():
+                    for key, param in list(mod._parameters.items()):
+                        if param is None or id(param) in in_layers or (param is embedding.weight and mod is not head):
+                            continue  # the layers are replayed, the embedding is not used (inputs_embeds)
+                        own = self.infos.get(f"{mod_name}.{key}")
+                        info = own or (tied if mod is head and key == "weight" else None)
+                        if info is None:
+                            raise StreamUnsupported(f"the checkpoint has no tensor for {mod_name}.{key}")
+                        restore.append((mod, key, param))
+                        mod._parameters[key] = nn.Parameter(self.source.read(info).to(self.device, torch.float32),
+                                                            requires_grad=False)
+                for i, layer in enumerate(originals):
+                    self.layers[i] = last if i == len(originals) - 1 else _Replay(layer, None)
                 yield logits_of
-
-    @contextmanager
-    def _head_loaded(self, longest: int) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-        """`_head`, one caller at a time."""
-        if self.position != len(self.layers):
-            raise RuntimeError("the head needs every layer run first")
-        head_shape = self.model.get_output_embeddings().weight.shape  # [vocab, hidden]
-        need = 4 * head_shape[0] * (head_shape[1] + 2 * longest)  # head + logits, float32
-        if need > available_memory() // 4:  # (Llama-3-70B: 4.2 GiB of head) the stream's own bound comes first
-            raise StreamUnsupported(f"the output head and its logits ({need / 2**30:.1f} GiB in float32) exceed a "
-                                    f"quarter of the memory available")
-        names = {id(m): n for n, m in self.model.named_modules()}
-        in_layers = {id(p) for p in self.layers.parameters()}
-        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        tied = self.infos.get(f"{names[id(embedding)]}.weight")  # a head tied to the embedding reads its rows
-        restore = []
-        originals = list(self.layers)
-        last = _Replay(originals[-1], None)
-
-        def logits_of(hidden: torch.Tensor) -> torch.Tensor:
-            last.outputs = hidden
-            zeros = torch.zeros((1, *hidden.shape), device=self.device, dtype=torch.float32)
-            return self.model(inputs_embeds=zeros, use_cache=False).logits[0].float()
-
-        try:
-            for mod_name, mod in self.model.named_modules():
-                for key, param in list(mod._parameters.items()):
-                    if param is None or id(param) in in_layers or (param is embedding.weight and mod is not head):
-                        continue  # the layers are replayed, the embedding is not used (inputs_embeds)
-                    info = self.infos.get(f"{mod_name}.{key}") or (tied if mod is head and key == "weight" else None)
-                    if info is None:
-                        raise StreamUnsupported(f"the checkpoint has no tensor for {mod_name}.{key}")
-                    restore.append((mod, key, param))
-                    mod._parameters[key] = nn.Parameter(self.source.read(info).to(self.device, torch.float32),
-                                                        requires_grad=False)
-            for i, layer in enumerate(originals):
-                self.layers[i] = last if i == len(originals) - 1 else _Replay(layer, None)
-            yield logits_of
-        finally:
-            for i, layer in enumerate(originals):
-                self.layers[i] = layer
-            for mod, key, param in restore:
-                mod._parameters[key] = param
+            finally:
+                for i, layer in enumerate(originals):
+                    self.layers[i] = layer
+                for mod, key, param in restore:
+                    mod._parameters[key] = param
 
     def _ticker(self, what: str, total: int) -> Callable[[int], None] | None:
         """A tick per sequence of a pass (`calibrate layer 3: sequence 40/128, ~12 s left in this layer`

@@ -59,16 +59,14 @@ class WholeModelCheck:
     _tracks: dict[str, list[Tensor]] | None = field(default=None, repr=False)
     done: int = 0  # layers run so far
     verdict: dict[str, Any] | None = None  # after the last layer: the KLs and which model is written
-    pending: tuple[dict[str, Tensor], dict[str, Tensor]] | None = field(default=None, repr=False)  # (chosen, mean)
 
     def advance(self, layer: str, starts: dict[str, dict[str, Tensor]]) -> dict[str, Any] | None:
         """Run attention `layer`'s decoder layer for each model, with its start (`starts`: name in
         MODELS -> role.param -> tensor) as the attention; after the last layer, the verdict."""
         original = self.calibration.layer(layer, self.user)
         if self._tracks is None:
-            first = self.calibration.first_inputs()
-            count = first_sequences([int(x.shape[0]) for x in first])
-            self._tracks = {name: [x.clone() for x in first[:count]] for name in MODELS}
+            first = self.calibration.first_inputs(first_sequences([len(s) for s in self.calibration.windows()[0]]))
+            self._tracks = {name: [x.clone() for x in first] for name in MODELS}
         for name in MODELS:
             attention = student_attention(original, self.config, self.family, starts[name], original.device)
             original.run_with(attention, self._tracks[name])
