@@ -219,7 +219,8 @@ def test_a_stop_whose_checkpoint_would_overrun_the_grace_keeps_the_last_one_and_
     _resume_matches(run_dir, args, reference)
 
 
-def test_a_stop_signalled_early_in_a_long_step_counts_the_grace_from_the_signal(tmp_path):
+@pytest.mark.parametrize("rest_s", [3, 0])
+def test_a_stop_signalled_early_in_a_long_step_counts_the_grace_from_the_signal(tmp_path, rest_s):
     # The decision's call site (`steps._stop_checkpoint`): the signal comes early in step 3, whose rest
     # takes 3 s of a 4 s grace, and checkpoint 2 took over 2 s. A write would fit the whole grace but
     # not the ~1 s left, so none is started and checkpoint 2 is named. Red when the step passes no time
@@ -227,9 +228,14 @@ def test_a_stop_signalled_early_in_a_long_step_counts_the_grace_from_the_signal(
     need_models()
     run_dir = tmp_path / "run"
     args = _args(run_dir, **{"checkpoint.every": 2, "checkpoint.keep": 5, "stop_grace_s": 4})
-    proc = _one_process(args, UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:2", UPTRAIN_TEST_SIGNAL_AT="3:0:SIGTERM:3")
+    proc = _one_process(args, UPTRAIN_TEST_SIGNAL_IN_CHECKPOINT="2:none:2",
+                        UPTRAIN_TEST_SIGNAL_AT=f"3:0:SIGTERM:{rest_s}")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    if rest_s == 0:  # the other side of the edge: the whole grace is left, the write fits, it is made
+        assert "no checkpoint at step 3" not in out, out
+        assert [p.name for p in complete_checkpoints(run_dir)][-1] == "checkpoint-00000003"
+        return
     decided = re.search(r"no checkpoint at step 3: a write takes ~(\d+\.?\d*) s, (\d+\.\d) s are left of the 4 s", out)
     assert decided and float(decided[1]) >= 2 and float(decided[2]) <= 1.5, out
     assert [p.name for p in complete_checkpoints(run_dir)] == ["checkpoint-00000002"]

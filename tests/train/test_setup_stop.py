@@ -43,24 +43,30 @@ def test_a_stop_signal_during_set_up_stops_there_with_one_line(tmp_path, capsys,
     assert main([str(DEMO), *tiny_overrides(run_dir, threads=1), "resume=latest"]) == 0  # nothing to redo
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
-def test_a_stop_whose_exception_lands_in_a_finalizer_still_stops_set_up(tmp_path, signame):
+@pytest.mark.parametrize("phase, said, signame", [("data", "data tokenization", "SIGTERM"),
+                                                   ("models", "models loading", "SIGINT"),
+                                                   ("models", "models loading", "SIGTERM"),
+                                                   ("step-0", "step-0 evaluation", "SIGTERM")])
+def test_a_stop_whose_exception_lands_in_a_finalizer_still_stops_set_up(tmp_path, phase, said, signame):
     # The handler raises where the signal lands; in a `__del__` (a garbage collection during model
     # loading: a clean-clone run saw it in regex's Group.__del__) Python ignores the exception. Set-up
     # must stop at its next phase boundary all the same, naming the phase the signal came in, with no
-    # traceback (a real process: pytest's own hook would hide "Exception ignored in ..."). Red before:
-    # the run went on to step 1; red without the quiet hook: the ignored exception's traceback.
+    # traceback (a real process: pytest's own hook would hide "Exception ignored in ..."), from the first
+    # phase to the last (step-0: only the first step's start is left to catch it). Red before: the run
+    # went on to step 1; red without the quiet hook: the ignored exception's traceback.
     need_models()
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "UPTRAIN_TEST_SIGNAL_IN_SETUP": f"models:{signame}:in-finalizer"}
+           "UPTRAIN_TEST_SIGNAL_IN_SETUP": f"{phase}:{signame}:in-finalizer"}
     done = subprocess.run([sys.executable, "-m", "uptrain.train", str(DEMO), *tiny_overrides(run_dir, threads=1)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     line = done.stderr.strip().splitlines()[-1]
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
-    assert line.startswith(f"stopped by {signame} during set-up (models loading)"), done.stderr[-3000:]
+    assert line.startswith(f"stopped by {signame} during set-up ({said})"), done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    metrics = run_dir / "metrics.jsonl"  # (step-0's evaluation writes its row; no step ran)
+    rows = [json.loads(r) for r in metrics.read_text().splitlines()] if metrics.exists() else []
+    assert all(r.get("step", 0) == 0 for r in rows) and not (run_dir / "checkpoints").exists(), rows
 
 
 def _stop_in_setup(run_dir, hook: str, *extra: str) -> tuple[str, dict]:
