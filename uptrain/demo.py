@@ -47,6 +47,7 @@ from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
+from uptrain.measure.kv_cache import FORMATS, KVFormat, check_paths, kv_format
 from uptrain.units import kv_cache_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,6 +167,9 @@ def _parser() -> ArgParser:
                         f"TinyStories tasks ({BUNDLED_TASKS}) for the bundled model, none for yours (they would "
                         "score a model trained on other text near zero); none: skip")
     p.add_argument("--task-limit", type=positive_int, default=50, help="items per task")
+    p.add_argument("--kv-cache", default=None, metavar="NAME",
+                   help="also score every model with its K/V cache stored in this format, as a runtime stores it: "
+                        f"{', '.join(n for n in FORMATS if n != 'model')} (uptrain.measure.kv_cache; docs/measure.md)")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of configs/demo-cpu.yaml")
     return p
 
@@ -191,6 +195,9 @@ def _demo(argv: list[str] | None) -> int:
     name = "stories260K" if args.model is None else args.model.rstrip("/").split("/")[-1]
     # Everything that can be refused is checked before anything is printed or written.
     source, heads, kv_before, kv_heads = source_model(args.model or str(bundled), args.kv_heads)
+    cache = kv_format(args.kv_cache) if args.kv_cache else None
+    if cache is not None:
+        check_paths(cache, [source])  # a block the head_dim cannot take: refused, as llama.cpp refuses it
     tasks = args.tasks or (BUNDLED_TASKS if args.model is None else "none")
     max_length, stride = model_windows([str(source)])  # uptrain.eval's rule: within the model's context
     # Read as the trainer reads text (text_unit paragraph): one story per document, whole.
@@ -222,7 +229,7 @@ def _demo(argv: list[str] | None) -> int:
         models.append((f"GQA-{kv_heads}, uptrained{kd}", uptrained))
     shown = _shown(args.data) + ", its last tenth" if args.data and not args.valid else _shown(valid_path)
     report(models, valid, f"{shown} ({len(valid)} {'stories' if args.data is None else 'documents'}",
-           max_length, stride)
+           max_length, stride, cache)
     if tasks != "none":
         from uptrain.measure.tasks import parse_task_names, print_demo_scores
 
@@ -313,20 +320,27 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     return run_dir / "model"
 
 
-def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_length: int, stride: int) -> None:
+def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_length: int, stride: int,
+           cache: KVFormat | None = None) -> None:
     """The held-out table of `models` (label, folder), the source first, scored as uptrain.eval scores,
     each against the source (`uptrain.eval --reference`): loss, KL to the source, top-1 and greedy
-    agreement, and the KV cache; the warnings when the loss cannot be read at face value."""
+    agreement, and the KV cache; the warnings when the loss cannot be read at face value. `cache`: each
+    model also scored with its K/V cache stored in that format (a row each, its bytes the format's)."""
     from uptrain.measure.eval import evaluate_paths
     from uptrain.measure.fidelity import GreedySettings, fidelity_note, fidelity_warnings, greedy_cell
 
     print(f"== score {len(models)} models on {len(valid)} held-out documents ({max_length}-token windows), each "
           "against the source", flush=True)
+    greedy = GreedySettings().within(max_length, explicit=False)
     results = evaluate_paths([str(path) for _, path in models], valid, max_length, stride, reference=str(models[0][1]),
-                             greedy=GreedySettings().within(max_length, explicit=False))
-    kv = [stored_kv_bytes_per_token(path) for _, path in models]
+                             greedy=greedy)
+    if cache is not None and cache.round_trip is not None:
+        results += evaluate_paths([str(path) for _, path in models], valid, max_length, stride,
+                                  reference=str(models[0][1]), greedy=greedy, kv_cache=cache.name)
+        models = models + [(f"{label}, {cache.name} cache", path) for label, path in models]
+    kv = [r.kv_bytes_per_token for r in results]
     table = [[label, f"{r.loss:.3f}", f"{r.perplexity:.2f}", f"{r.kl_to_source:.4f}", f"{r.top1_agreement:.1%}",
-              greedy_cell(r.greedy_agreement, r.greedy_agreement_se), f"{b:,} B", f"{kv[0] / b:.0f}x"]
+              greedy_cell(r.greedy_agreement, r.greedy_agreement_se), f"{b:,.4g} B", f"{kv[0] / b:.3g}x"]
              for (label, _), r, b in zip(models, results, kv)]
     print(f"\nHeld-out loss on {what}, {max_length}-token windows, stride {stride}: the model's context, as "
           "uptrain.eval scores):\n")

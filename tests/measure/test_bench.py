@@ -142,3 +142,36 @@ def test_unmeasurable_timings_are_reported_as_such_not_as_speedups() -> None:
 
 def _eval(name: str) -> compare.EvalResult:
     return compare.EvalResult(model=name, loss=1.0, perplexity=2.718, tokens=10, documents=1)
+
+
+REFERENCE = Path(__file__).resolve().parents[2] / "results" / "paper" / "reference-mha8"  # head_dim 32: takes q8_0
+
+
+def test_kv_cache_q8_0_gives_the_formats_bytes_and_says_they_are_not_measured(tmp_path: Path) -> None:
+    fast = ["--context", "16", "--batch", "1", "--new-tokens", "2", "--warmup", "0", "--repeats", "1"]
+    assert bench.main([str(REFERENCE), *fast, "--kv-cache", "q8_0", "--memory-budget", "20MB",
+                       "--json", str(tmp_path / "b.json")]) == 0
+    (row,) = json.loads((tmp_path / "b.json").read_text())
+    per_token = 2 * 4 * 8 * 32 * 34 / 32  # K and V x layers x kv heads x head_dim x 34 bytes per 32 values
+    assert row["kv_cache"] == "q8_0" and row["kv_bytes_per_token"] == per_token == 2176
+    assert row["kv_bytes_per_token_formula"] == 2176 and row["kv_bytes"] == {"16": 2176 * 16}
+    assert row["kv_bytes_measured_in"].startswith("formula") and "not measured" in row["kv_bytes_measured_in"]
+    assert row["kv_bytes_per_token_stored"] == 2 * 4 * 8 * 32 * 4  # what transformers held: float32
+    assert row["max_batch"]["16"] == (20 * 10**6 - row["weight_bytes"]) // (2176 * 16)
+    assert len(row["decode"]) == 1  # timed as saved
+
+
+def test_kv_cache_model_is_measured_as_before(tmp_path: Path) -> None:
+    fast = ["--context", "16", "--batch", "1", "--new-tokens", "2", "--warmup", "0", "--repeats", "1"]
+    assert bench.main([str(EXAMPLE_MHA8), *fast, "--json", str(tmp_path / "b.json")]) == 0
+    (row,) = json.loads((tmp_path / "b.json").read_text())
+    assert row["kv_cache"] == "model" and row["kv_bytes_measured_in"].startswith("measured")
+    assert row["kv_bytes_per_token"] == row["kv_bytes_per_token_stored"] == 2 * 5 * 8 * 8 * 4
+
+
+def test_a_block_format_the_head_dim_cannot_take_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([str(EXAMPLE_MHA8), "--context", "16", "--kv-cache", "q8_0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "head_dim 8" in err and "q8_0" in err
+    assert bench.main([str(EXAMPLE_MHA8), "--kv-cache", "int3"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

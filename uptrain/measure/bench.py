@@ -1,6 +1,7 @@
 """KV-cache size and decode throughput of causal LMs, measured on this machine.
 
-`python -m uptrain.bench MODEL [MODEL ...] [--context 128 256] [--batch 1 8] [--memory-budget 24GB]`
+`python -m uptrain.bench MODEL [MODEL ...] [--context 128 256] [--batch 1 8] [--memory-budget 24GB]
+    [--kv-cache NAME]`
 (`--runtime llama.cpp`: GGUF files or folders in llama.cpp instead, see `uptrain.measure.bench_llama`)
 
 KV bytes are read from the cache a real forward leaves behind (a DynamicCache whose layers
@@ -8,6 +9,14 @@ hold keys/values [batch, kv_heads, seq, head_dim]) and checked against the confi
 2 x layers x kv_heads x head_dim x bytes per token; a mismatch (e.g. sliding-window layers
 capping the cache) is reported as a warning. Decode throughput is timed through `generate`
 (greedy, exactly `new_tokens` new tokens) with warm-up and repeats; the median is reported.
+
+`--kv-cache NAME` (uptrain.measure.kv_cache: fp16, bf16, fp8, q8_0, q4_0, ...): the KV bytes a runtime
+storing its cache in that format holds, block scales counted (`kv_bytes_per_token`, the bytes at
+each context and the batch in the memory budget). transformers does not store that format (the
+emulation keeps dequantized values), so these are the format's formula, not measured, and the
+record says so (`kv_bytes_measured_in`); the cache transformers held is kept beside it
+(`kv_bytes_per_token_stored`) and decoding is timed with the model as saved. With --runtime
+llama.cpp the cache is allocated in that type and measured (bench_llama).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.convert.io.hfconfig import model_shape
 from uptrain.measure.bench_llama import add_llama_args, llama_tables, run_llama_bench
+from uptrain.measure.kv_cache import DEFAULT, KVFormat, add_kv_cache_arg, check_paths, kv_format, model_bytes_per_token
 from uptrain.measure.models import LOAD_DTYPES, load_model, require_model_folder
 from uptrain.threads import CpuMonitor, add_threads_arg, announce_threads, busy_note, machine_cpus, start_threads
 from uptrain.units import kv_cache_bytes_per_token, parse_size
@@ -92,11 +102,14 @@ class BenchResult:
     kv_heads: int
     head_dim: int
     weight_bytes: int  # parameters (tied ones once) and buffers
-    kv_bytes_per_token_formula: int
-    kv_bytes_per_token: float  # measured at the longest context
-    kv_bytes: dict[int, int]  # context length -> measured cache bytes (batch 1)
+    kv_bytes_per_token_formula: float  # 2 x layers x kv_heads x head_dim x bytes per value in `kv_cache`
+    kv_bytes_per_token: float  # in `kv_cache`: measured at the longest context (`model`), else the formula
+    kv_bytes: dict[int, int]  # context length -> cache bytes (batch 1) in `kv_cache`, as kv_bytes_per_token
     max_batch: dict[int, int] | None  # context length -> largest batch within the memory budget
     decode: list[DecodeResult]
+    kv_cache: str = DEFAULT  # the cache format the KV bytes are given in (uptrain.measure.kv_cache)
+    kv_bytes_measured_in: str = "measured: the cache transformers holds"  # or why the bytes are a formula
+    kv_bytes_per_token_stored: float | None = None  # measured bytes/token of the cache transformers held
 
 
 def kv_bytes_per_token_formula(config, dtype: torch.dtype) -> int:
@@ -187,6 +200,22 @@ def decode_throughput(model: torch.nn.Module, batch: int, context: int, new_toke
     )
 
 
+def kv_at_format(fmt: KVFormat, model: torch.nn.Module, measured: dict[int, int]) -> tuple[dict[int, int], float, str]:
+    """(bytes at each context, bytes per token, where they come from) of the cache stored as `fmt`.
+
+    `measured`: context -> bytes of the cache transformers held (the model's dtype). The model's own
+    format: those. Any other: the format's formula, block scales counted (`model_bytes_per_token`),
+    since the emulation keeps the rounded values dequantized, in the model's dtype: nothing to measure.
+    """
+    if fmt.round_trip is None:
+        longest = max(measured)
+        return measured, measured[longest] / longest, "measured: the cache transformers holds"
+    per_token = model_bytes_per_token(fmt, model)
+    dtype = str(model.dtype).removeprefix("torch.")
+    return ({c: round(per_token * c) for c in measured}, per_token,
+            f"formula: the {fmt.name} format's bytes, not measured (transformers holds its cache in {dtype})")
+
+
 def max_batch_in_budget(weight_bytes: int, kv_bytes_at_context: int, budget: int) -> int:
     """Largest batch with weights + batch x KV cache (at the context) <= budget (0 if none)."""
     return max(0, (budget - weight_bytes) // kv_bytes_at_context) if kv_bytes_at_context else 0
@@ -194,8 +223,11 @@ def max_batch_in_budget(weight_bytes: int, kv_bytes_at_context: int, budget: int
 
 def bench_model(path: str, contexts: Sequence[int], batches: Sequence[int], new_tokens: int,
                 dtype: str = "auto", warmup: int = 1, repeats: int = 3,
-                memory_budget: int | None = None, device: str = "cpu") -> BenchResult:
-    """All figures for one model folder; decode is skipped when `batches` is empty."""
+                memory_budget: int | None = None, device: str = "cpu", kv_cache: str = DEFAULT) -> BenchResult:
+    """All figures for one model folder; decode is skipped when `batches` is empty. KV bytes in the
+    `kv_cache` format (`kv_at_format`); decoding is timed with the model as saved."""
+    fmt = kv_format(kv_cache)
+    check_paths(fmt, [path])  # a block format the head_dim cannot take: refused before the weights load
     model, _ = load_model(path, dtype, device, with_tokenizer=False)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit and max(contexts) + (new_tokens if batches else 0) > limit:
@@ -211,16 +243,19 @@ def bench_model(path: str, contexts: Sequence[int], batches: Sequence[int], new_
                           "(sliding-window or shared-KV layers?)", stacklevel=2)
     # parameters() yields tied weights (embeddings = lm_head) once; buffers are RoPE tables etc.
     weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    at_format, at_format_per_token, source = kv_at_format(fmt, model, measured)
     budget = None if memory_budget is None else {c: max_batch_in_budget(weights, b, memory_budget)
-                                                 for c, b in measured.items()}
+                                                 for c, b in at_format.items()}
     decode = [decode_throughput(model, b, c, new_tokens, warmup, repeats)
               for b in batches for c in sorted(contexts)]
     longest = max(measured)
     return BenchResult(model=path, dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
                        threads=torch.get_num_threads(), layers=shape.layers,
                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, weight_bytes=weights,
-                       kv_bytes_per_token_formula=per_token, kv_bytes_per_token=measured[longest] / longest,
-                       kv_bytes=measured, max_batch=budget, decode=decode)
+                       kv_bytes_per_token_formula=model_bytes_per_token(fmt, model),
+                       kv_bytes_per_token=at_format_per_token, kv_bytes=at_format, max_batch=budget, decode=decode,
+                       kv_cache=fmt.name, kv_bytes_measured_in=source,
+                       kv_bytes_per_token_stored=measured[longest] / longest)
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -244,9 +279,11 @@ def bench_from_args(args: argparse.Namespace, paths: Sequence[str]) -> list[Benc
         raise UsageError("--warmup must be >= 0")
     for p in paths:
         require_model_folder(p)
+    kv_cache = getattr(args, "kv_cache", None) or DEFAULT  # compare has no --kv-cache of its own (yet)
+    check_paths(kv_format(kv_cache), paths)  # every model checked before the first loads
     announce_threads()
     return [bench_model(p, args.context, args.batch, args.new_tokens, args.dtype, args.warmup,
-                        args.repeats, args.memory_budget, args.device) for p in paths]
+                        args.repeats, args.memory_budget, args.device, kv_cache) for p in paths]
 
 
 def format_decode(d: DecodeResult) -> str:
@@ -256,13 +293,20 @@ def format_decode(d: DecodeResult) -> str:
     return f"{text}: {d.unreliable}" if d.unreliable else text
 
 
+def _kv_cell(r: BenchResult) -> str:
+    """The measured bytes/token, or, for a format transformers does not store, that it is not measured."""
+    if r.kv_bytes_measured_in.startswith("measured"):
+        return f"{r.kv_bytes_per_token:g}"
+    return f"not measured: {r.kv_cache} formula (transformers holds {r.kv_bytes_per_token_stored:g} in {r.dtype})"
+
+
 def bench_tables(results: Sequence[BenchResult]) -> str:
     """The KV table and the decode table as markdown."""
-    kv_rows = [(r.model, f"{r.dtype} {r.device}", r.kv_heads, r.kv_bytes_per_token_formula, f"{r.kv_bytes_per_token:g}",
-                ", ".join(f"{c}: {b}" for c, b in r.kv_bytes.items()),
+    kv_rows = [(r.model, f"{r.dtype} {r.device}", r.kv_heads, r.kv_cache, f"{r.kv_bytes_per_token_formula:g}",
+                _kv_cell(r), ", ".join(f"{c}: {b}" for c, b in r.kv_bytes.items()),
                 "-" if r.max_batch is None else ", ".join(f"{c}: {b}" for c, b in r.max_batch.items()))
                for r in results]
-    kv = format_table(["model", "dtype device", "kv heads", "KV B/token (formula)", "KV B/token (measured)",
+    kv = format_table(["model", "dtype device", "kv heads", "KV cache", "KV B/token (formula)", "KV B/token (measured)",
                        "KV bytes at context", "max batch in budget at context"], kv_rows)
     dec_rows = [(r.model, d.batch, d.context, d.new_tokens, format_decode(d),
                  f"{d.generate_tokens_per_s:.1f}") for r in results for d in r.decode]
@@ -292,8 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runtime", default="transformers", choices=["transformers", "llama.cpp"],
                         help="transformers (generate) or llama.cpp (llama-cpp-python, installed separately)")
     add_llama_args(parser)
+    add_kv_cache_arg(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     args = parser.parse_args(argv)
+    kv_format(args.kv_cache)  # an unknown name: refused before anything loads
     start_threads(args.threads)
     if args.runtime == "llama.cpp":
         given = [f"--{name.replace('_', '-')}" for name in ("batch", "memory_budget", "dtype", "device")

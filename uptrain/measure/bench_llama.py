@@ -1,7 +1,7 @@
 """`uptrain.bench --runtime llama.cpp`: decode speed and memory of GGUF models in llama.cpp.
 
     python -m uptrain.bench MODEL... --runtime llama.cpp [--context 128 512 1024 2048]
-        [--new-tokens 16] [--repeats 3] [--llama-cpp DIR --outtype f16] [--json PATH] [--plot DIR]
+        [--new-tokens 16] [--repeats 3] [--llama-cpp DIR --outtype f16] [--kv-cache NAME] [--json PATH] [--plot DIR]
 
 MODEL is a .gguf file, or a Hugging Face folder converted on the fly (into a temporary folder,
 with llama.cpp's convert_hf_to_gguf.py from --llama-cpp DIR). One context of the largest size
@@ -12,11 +12,19 @@ drops the decoded tokens again (llama.cpp removes them from its cache), so every
 from the same L cached tokens. Memory: the KV cache llama.cpp allocates (its own log line, for
 the whole context, as llama.cpp preallocates it) beside the formula 2 x layers x kv_heads x
 head_dim x bytes per cell, and this process's resident memory after decoding at each L.
+
+`--kv-cache NAME` (uptrain.measure.kv_cache's names): the cache is allocated in that ggml type
+(`LLAMA_KV_TYPES`: model -> f16, llama.cpp's default; fp16 -> f16, bf16, q8_0, q4_0), with flash
+attention on for the quantized ones (llama.cpp refuses a quantized V cache without it) and off
+otherwise, as before; fp8 is vLLM's and refused. The bytes are llama.cpp's own log line, as always,
+beside `kv_bytes_per_token`, the type's formula with its block scales (q8_0: 34 bytes per 32 values).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import tempfile
 import time
@@ -26,10 +34,15 @@ from pathlib import Path
 
 from uptrain.errors import UsageError
 from uptrain.measure import gguf
+from uptrain.measure.kv_cache import DEFAULT, check_paths, kv_format
 from uptrain.threads import CpuMonitor, applied, busy_note, machine_cpus
 from uptrain.units import kv_cache_bytes_per_token
 
-TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}  # bytes per element of a KV cache type
+TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per element of a KV cache type
+# --kv-cache NAME -> the ggml type llama.cpp's K and V caches are allocated in (model: its default)
+LLAMA_KV_TYPES = {DEFAULT: "f16", "fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
+GGML_BF16 = 30  # enum ggml_type's GGML_TYPE_BF16 (ggml/include/ggml.h)
+NEEDS_FLASH_ATTN = {"q8_0", "q4_0"}  # llama-context.cpp: "V cache quantization requires flash_attn"
 
 
 @dataclass
@@ -67,11 +80,42 @@ class LlamaBench:
     kv_type: str
     kv_formula_bytes: int  # 2 x layers x kv_heads x head_dim x bytes x cells
     decode: list[LlamaDecode] = field(default_factory=list)
+    kv_cache: str = DEFAULT  # --kv-cache name the cache was allocated for (kv_type: the ggml type)
+    kv_bytes_per_token: float = 0.0  # the formula for kv_type, block scales counted
+    flash_attn: bool = False
 
 
 def kv_formula(layers: int, kv_heads: int, head_dim: int, kv_type: str, cells: int) -> int:
     """Bytes of a K and a V cache of `cells` tokens: 2 x layers x kv_heads x head_dim x bytes x cells."""
     return round(kv_cache_bytes_per_token(layers, kv_heads, head_dim, TYPE_BYTES.get(kv_type, 2)) * cells)
+
+
+def llama_kv_type(name: str) -> str:
+    """The ggml cache type of a --kv-cache name; fp8 (vLLM's) refused in one line."""
+    fmt = kv_format(name)
+    if fmt.name not in LLAMA_KV_TYPES:
+        raise UsageError(f"--kv-cache {fmt.name} is vLLM's cache format, llama.cpp has none; with --runtime llama.cpp "
+                         f"use one of {', '.join(LLAMA_KV_TYPES)}")
+    return LLAMA_KV_TYPES[fmt.name]
+
+
+def load_llama_kv(path: Path, n_ctx: int, threads: int, kv_type: str):
+    """(llama_cpp.Llama, its KvCache line) with K and V allocated as `kv_type`, flash attention on where
+    that type needs it (gguf.load_llama's settings otherwise). A context llama.cpp refuses (e.g. a
+    block type whose block does not divide the GGUF's head_dim) is a one-line UsageError."""
+    llama_cpp = gguf.require_llama_cpp()
+    # llama-cpp-python 0.3.36 exports no GGML_TYPE_BF16: its value in ggml/include/ggml.h
+    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}", GGML_BF16 if kv_type == "bf16" else None)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(log):
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
+                                  n_threads_batch=threads, verbose=True, seed=0, type_k=ggml_type, type_v=ggml_type,
+                                  flash_attn=kv_type in NEEDS_FLASH_ATTN)
+    except ValueError as err:
+        why = [line for line in log.getvalue().splitlines() if "cache" in line and "type" in line][-1:] or [str(err)]
+        raise UsageError(f"llama.cpp refused a {kv_type} K/V cache for {path}: {why[0].strip()}") from None
+    return llm, gguf.parse_kv_line(log.getvalue())
 
 
 def random_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -95,10 +139,11 @@ def greedy_decode(llm, new_tokens: int) -> float:
 
 
 def bench_gguf(name: str, path: Path, contexts: Sequence[int], new_tokens: int, repeats: int,
-               threads: int, warmup: int = 1) -> LlamaBench:
-    """Measure one GGUF file (see the module docstring)."""
+               threads: int, warmup: int = 1, kv_cache: str = DEFAULT) -> LlamaBench:
+    """Measure one GGUF file (see the module docstring), its cache allocated for `kv_cache`."""
     n_ctx = max(contexts) + new_tokens
-    llm, _, kv = gguf.load_llama(path, n_ctx, threads)
+    kv_type = llama_kv_type(kv_cache)
+    llm, kv = load_llama_kv(path, n_ctx, threads, kv_type)
     meta = gguf.gguf_meta(llm)
     limit = gguf.arch_value(meta, "context_length") or n_ctx
     if max(contexts) + new_tokens > limit:
@@ -112,7 +157,9 @@ def bench_gguf(name: str, path: Path, contexts: Sequence[int], new_tokens: int, 
     head_dim = gguf.arch_value(meta, "attention.key_length") or gguf.arch_value(meta, "embedding_length") // heads
     result = LlamaBench(name, str(path), path.stat().st_size, threads, n_ctx, limit, layers, heads, kv_heads,
                         head_dim, kv.bytes, kv.cells, kv.k_type,
-                        kv_formula(layers, kv_heads, head_dim, kv.k_type, kv.cells))
+                        kv_formula(layers, kv_heads, head_dim, kv.k_type, kv.cells), kv_cache=kv_format(kv_cache).name,
+                        kv_bytes_per_token=kv_cache_bytes_per_token(layers, kv_heads, head_dim, TYPE_BYTES[kv.k_type]),
+                        flash_attn=kv_type in NEEDS_FLASH_ATTN)
     prompt = random_tokens(max(contexts), llm.n_vocab())
     with gguf.quiet():
         llm.eval(prompt[:min(contexts)])  # the first prefill
@@ -163,13 +210,16 @@ def add_llama_args(parser: argparse.ArgumentParser) -> None:
 
 def run_llama_bench(args: argparse.Namespace) -> list[LlamaBench]:
     """The llama.cpp benchmark of args.models (contexts, new tokens, repeats from the shared args)."""
+    kv_cache = getattr(args, "kv_cache", None) or DEFAULT  # the sweep's namespace has none
+    llama_kv_type(kv_cache)  # fp8: refused before anything else
     gguf.require_llama_cpp()
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
+    check_paths(kv_format(kv_cache), [m for m in args.models if (Path(m) / "config.json").is_file()])
     threads = applied().threads if applied() else machine_cpus()
     with tempfile.TemporaryDirectory(prefix="uptrain-gguf-") as tmp:
         files = gguf_files(args.models, Path(tmp), args.llama_cpp, args.outtype)
-        return [bench_gguf(name, path, args.context, args.new_tokens, args.repeats, threads, args.warmup)
+        return [bench_gguf(name, path, args.context, args.new_tokens, args.repeats, threads, args.warmup, kv_cache)
                 for name, path in files]
 
 
@@ -179,10 +229,11 @@ def llama_tables(results: Sequence[LlamaBench]) -> str:
 
     mib = 1024 * 1024
     kv = format_table(
-        ["model", "GGUF MiB", "layers x heads / kv heads x head_dim", "n_ctx (limit)", "KV allocated MiB (llama.cpp)",
-         "KV formula MiB", "threads"],
+        ["model", "GGUF MiB", "layers x heads / kv heads x head_dim", "n_ctx (limit)", "KV cache (flash attn)",
+         "KV B/token (formula)", "KV allocated MiB (llama.cpp)", "KV formula MiB", "threads"],
         [(r.model, f"{r.gguf_bytes / mib:.1f}", f"{r.layers} x {r.heads} / {r.kv_heads} x {r.head_dim}",
-          f"{r.n_ctx} ({r.n_ctx_train})", f"{r.kv_allocated_bytes / mib:.2f} ({r.kv_cells} cells, {r.kv_type})",
+          f"{r.n_ctx} ({r.n_ctx_train})", f"{r.kv_cache}: {r.kv_type} ({'on' if r.flash_attn else 'off'})",
+          f"{r.kv_bytes_per_token:g}", f"{r.kv_allocated_bytes / mib:.2f} ({r.kv_cells} cells, {r.kv_type})",
           f"{r.kv_formula_bytes / mib:.2f}", r.threads) for r in results])
     dec = format_table(
         ["model", "context", "decode tok/s (median, min-max)", "KV at context MiB", "RSS MiB"],

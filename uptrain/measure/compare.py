@@ -1,11 +1,14 @@
 """The whole trade in one table: a source MHA model against its GQA conversions.
 
-`python -m uptrain.compare SOURCE_MHA GQA [GQA ...] --data FILE... [bench options]`
+`python -m uptrain.compare SOURCE_MHA GQA [GQA ...] --data FILE... [bench options] [--kv-cache NAME]`
 
 For every model: KV-cache bytes per token (measured) and the reduction against the source,
 median decode tokens/s and the speed-up against the source, loss and perplexity on the
 data and the perplexity change, and its fidelity to the source (the reference: KL to source, top-1
 and greedy agreement, uptrain.measure.fidelity). Reuses `uptrain.eval` and `uptrain.bench`.
+`--kv-cache NAME`: every model (the source too) scored and sized with its K/V cache stored in that
+format (uptrain.measure.kv_cache), against the source as saved; the KV reduction is against the
+source's cache as saved, so the source's own row shows what the cache format alone gives.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from uptrain.threads import announce_threads, start_threads
 from uptrain.measure.eval import (EvalResult, add_data_args, evaluate_paths, fidelity_records, print_fidelity_warnings,
                                   read_cli_documents, window_args)
 from uptrain.measure.fidelity import add_fidelity_args, greedy_from_args
+from uptrain.measure.kv_cache import add_kv_cache_arg, check_paths, kv_format
 
 
 @dataclass
@@ -30,7 +34,7 @@ class Comparison:
 
     model: str
     kv_heads: int
-    kv_reduction: float  # source KV bytes / this model's KV bytes
+    kv_reduction: float  # the source's KV bytes as saved / this model's KV bytes in `kv_cache`
     decode_speedup: dict[str, float]  # "batch x context" -> this tok/s / source tok/s
     decode_unreliable: dict[str, str]  # "batch x context" -> why that speed-up is not a number to quote
     loss: float
@@ -42,11 +46,14 @@ class Comparison:
     top1_agreement: float | None = None
     greedy_agreement: float | None = None
     greedy_agreement_se: float | None = None
+    kv_cache: str = "model"  # the K/V cache format it was scored and sized in
+    kv_bytes_per_token: float | None = None  # in that format, block scales counted
 
 
 def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list[Comparison]:
     """Ratios of every model against the first (the source); inputs are in the same order."""
     src_e, src_b = evals[0], benches[0]
+    src_bytes = src_b.kv_bytes_per_token_stored or src_b.kv_bytes_per_token  # as saved, whatever format is scored
     src_speed = {(d.batch, d.context): d.decode_tokens_per_s for d in src_b.decode}
     rows = []
     for e, b in zip(evals, benches):
@@ -56,11 +63,11 @@ def compare(evals: Sequence[EvalResult], benches: Sequence[BenchResult]) -> list
         unreliable = {f"{d.batch}x{d.context}": why for d in (*src_b.decode, *b.decode)
                       if (why := d.unreliable) is not None}
         rows.append(Comparison(
-            model=e.model, kv_heads=b.kv_heads, kv_reduction=src_b.kv_bytes_per_token / b.kv_bytes_per_token,
+            model=e.model, kv_heads=b.kv_heads, kv_reduction=src_bytes / b.kv_bytes_per_token,
             decode_speedup=speedup, decode_unreliable=unreliable, loss=e.loss, perplexity=e.perplexity,
             perplexity_change_pct=100.0 * (e.perplexity / src_e.perplexity - 1.0), eval=e, bench=b,
             kl_to_source=e.kl_to_source, top1_agreement=e.top1_agreement, greedy_agreement=e.greedy_agreement,
-            greedy_agreement_se=e.greedy_agreement_se,
+            greedy_agreement_se=e.greedy_agreement_se, kv_cache=b.kv_cache, kv_bytes_per_token=b.kv_bytes_per_token,
         ))
     return rows
 
@@ -97,9 +104,9 @@ def comparison_table(rows: Sequence[Comparison]) -> str:
     speedups = [[v for k, v in r.decode_speedup.items() if k not in r.decode_unreliable] for r in rows]
     fidelity = any(r.kl_to_source is not None for r in rows)  # columns only where measured
     summary = format_table(
-        ["model", "kv heads", "KV B/token", "KV reduction", "loss", "perplexity", "ppl change",
+        ["model", "kv heads", "KV cache", "KV B/token", "KV reduction", "loss", "perplexity", "ppl change",
          *(["KL to source", "top-1 agr.", "greedy agr."] if fidelity else []), "decode speed-up (geo-mean)"],
-        [[r.model, r.kv_heads, f"{r.bench.kv_bytes_per_token:g}", f"{r.kv_reduction:.2f}x", f"{r.loss:.4f}",
+        [[r.model, r.kv_heads, r.kv_cache, f"{r.bench.kv_bytes_per_token:g}", f"{r.kv_reduction:.2f}x", f"{r.loss:.4f}",
           f"{r.perplexity:.3f}", f"{r.perplexity_change_pct:+.2f}%", *(_fidelity_cells(r) if fidelity else []),
           _geo_mean(r, s)] for r, s in zip(rows, speedups)],
     )
@@ -128,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_data_args(parser)
     add_bench_args(parser)
     add_fidelity_args(parser, reference=False)  # the source is the reference
+    add_kv_cache_arg(parser)
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
     from uptrain.measure import tasks as lm_tasks
 
@@ -136,11 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_threads(args.threads)  # before the evaluation: the one setting covers all the work
     paths = [args.source, *args.gqa]
     task_names, manager = lm_tasks.tasks_from_args(args)  # refuse bad --tasks before any scoring
+    check_paths(kv_format(args.kv_cache), paths)  # a format a model cannot take: refused before any work
     max_length, stride = window_args(args, paths)
     greedy = greedy_from_args(args, max_length, args.source)
     texts = read_cli_documents(args)
     announce_threads()
-    evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device, args.source, greedy)
+    evals = evaluate_paths(paths, texts, max_length, stride, args.dtype, args.device, args.source, greedy,
+                           args.kv_cache)
     benches = bench_from_args(args, paths)
     rows = compare(evals, benches)
     out = sys.stderr if args.json == "-" else sys.stdout

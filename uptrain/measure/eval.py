@@ -29,6 +29,8 @@ from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
+from uptrain.measure.kv_cache import (DEFAULT, FORMATS, KVFormat, active, add_kv_cache_arg, check_paths, kv_format,
+                                      model_bytes_per_token)
 from uptrain.measure.models import LOAD_DTYPES, load_model, require_model_folder  # noqa: F401 (public here too)
 
 # the window rule and the one window scoring live beside the fidelity to a source, which needs them and
@@ -51,6 +53,8 @@ class EvalResult:
     tokens: int  # number of scored tokens
     documents: int
     threads: int = 1  # torch CPU threads it ran with
+    kv_cache: str = "model"  # the K/V cache format it was scored with (uptrain.measure.kv_cache)
+    kv_bytes_per_token: float | None = None  # KV bytes one token costs in that format, block scales counted
     # against a reference (--reference; uptrain.measure.fidelity), over the same scored tokens; else None
     reference: str | None = None  # the reference (source) model folder
     source_loss: float | None = None  # the reference's loss on the same tokens
@@ -74,17 +78,17 @@ class EvalResult:
 
 @torch.no_grad()
 def sequence_nll(model: torch.nn.Module, input_ids: torch.Tensor, max_length: int, stride: int,
-                 tick: Callable[[int], None] | None = None) -> tuple[float, int]:
+                 tick: Callable[[int], None] | None = None, kv: KVFormat | None = None) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) and number of scored tokens of one sequence.
 
     `input_ids`: LongTensor [seq] or [1, seq]. Scored in windows of `window_spans`; the logits
     `[1, window, vocab]` are taken in at least float32 for the log-softmax. tick(n): called with
-    each window's scored tokens (`ScoringProgress`).
+    each window's scored tokens (`ScoringProgress`). kv: the cache format it runs with (`kv_cache`).
     """
     ids = input_ids.reshape(-1).to(model.device)
     total, count = 0.0, 0
     for span in window_spans(ids.numel(), max_length, stride):
-        pred, targets = scored_window(model, ids, span)  # [n_scored, vocab], [n_scored]
+        pred, targets = scored_window(model, ids, span, kv)  # [n_scored, vocab], [n_scored]
         total += F.cross_entropy(pred, targets, reduction="sum").item()
         count += targets.numel()
         if tick is not None:
@@ -122,17 +126,21 @@ def evaluate(
     stride: int,
     name: str = "model",
     tick: Callable[[int], None] | None = None,
+    kv: KVFormat | None = None,
 ) -> EvalResult:
-    """Token-weighted mean loss and perplexity of `model` over `token_sequences` (each [seq])."""
+    """Token-weighted mean loss and perplexity of `model` over `token_sequences` (each [seq]), its K/V
+    cache stored as `kv` (None: the model's own dtype)."""
     total, count, docs = 0.0, 0, 0
     for ids in token_sequences:
-        nll, n = sequence_nll(model, ids, max_length, stride, tick)
+        nll, n = sequence_nll(model, ids, max_length, stride, tick, kv)
         total, count, docs = total + nll, count + n, docs + 1
     if count == 0:
         raise UsageError("no tokens to score: the data is empty or every document is one token long")
     loss = total / count
+    fmt = kv or FORMATS[DEFAULT]
     return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=docs,
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(), kv_cache=fmt.name,
+                      kv_bytes_per_token=model_bytes_per_token(fmt, model))
 
 
 # ---------------------------------------------------------------- I/O
@@ -190,22 +198,24 @@ def load_reference(reference: str, paths: Sequence[str], texts: Sequence[str], m
 
 def evaluate_against(model: torch.nn.Module, reference: Reference, token_sequences: Iterable[torch.Tensor],
                      max_length: int, stride: int, name: str = "model",
-                     tick: Callable[[int], None] | None = None) -> EvalResult:
+                     tick: Callable[[int], None] | None = None, kv: KVFormat | None = None) -> EvalResult:
     """`evaluate`'s result, its loss from the same logits (bitwise the same number), with the
-    fidelity to `reference` filled in (uptrain.measure.fidelity)."""
-    docs, fid = reference.score(model, token_sequences, max_length, stride, tick)
+    fidelity to `reference` (as saved) filled in (uptrain.measure.fidelity); `kv`: the model's cache format."""
+    docs, fid = reference.score(model, token_sequences, max_length, stride, tick, kv)
     total, count = 0.0, 0
     for d in docs:  # summed in evaluate's order
         total, count = total + d.nll, count + d.tokens
     loss = total / count
+    fmt = kv or FORMATS[DEFAULT]
     return EvalResult(model=name, loss=loss, perplexity=math.exp(loss), tokens=count, documents=len(docs),
-                      threads=torch.get_num_threads(), reference=reference.path,
+                      threads=torch.get_num_threads(), kv_cache=fmt.name,
+                      kv_bytes_per_token=model_bytes_per_token(fmt, model), reference=reference.path,
                       vocab_size=reference.model.config.get_text_config().vocab_size, **fid.result_fields())
 
 
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
                    dtype: str = "auto", device: str = "cpu", reference: str | None = None,
-                   greedy: GreedySettings | None = None) -> list[EvalResult]:
+                   greedy: GreedySettings | None = None, kv_cache: str = DEFAULT) -> list[EvalResult]:
     """Evaluate each model folder on `texts`, each with its own tokenizer; a line on stderr as each
     model starts and ends, and while it is scored at most every ~10 s (`ScoringProgress`: scoring a
     large text takes minutes: never silent that long).
@@ -213,8 +223,12 @@ def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, 
     `reference`: a source folder every model is also measured against (uptrain.measure.fidelity),
     loaded once; a path that is the reference's uses the same model object (KL exactly 0). `greedy`:
     the greedy-agreement settings (None: the defaults, 16 prompts of 32 tokens, 32 continued, shrunk
-    to fit the window). The loss is the same number with and without a reference.
+    to fit the window). The loss is the same number with and without a reference. `kv_cache`: every
+    model's K/V cache stored in that format (`uptrain.measure.kv_cache`; refused before anything loads
+    when a model cannot take it), the reference's as saved.
     """
+    fmt = kv_format(kv_cache)
+    check_paths(fmt, paths)
     ref = None if reference is None else load_reference(reference, paths, texts, max_length, dtype, device, greedy)
     results = []
     for k, path in enumerate(paths, 1):
@@ -225,8 +239,8 @@ def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, 
         _check_context(model, path, max_length)
         docs = list(tokenize_texts(tokenizer, texts))
         tick = ScoringProgress(f"model {k}/{len(paths)}", sum(max(int(d.numel()) - 1, 0) for d in docs))
-        results.append(evaluate(model, docs, max_length, stride, name=path, tick=tick) if ref is None else
-                       evaluate_against(model, ref, docs, max_length, stride, name=path, tick=tick))
+        results.append(evaluate(model, docs, max_length, stride, name=path, tick=tick, kv=active(fmt)) if ref is None
+                       else evaluate_against(model, ref, docs, max_length, stride, name=path, tick=tick, kv=active(fmt)))
         kl = "" if ref is None else f", KL to source {results[-1].kl_to_source:.4f}"
         print(f"  done in {time.monotonic() - began:.1f} s: loss {results[-1].loss:.4f}{kl}", file=sys.stderr,
               flush=True)
@@ -311,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
+    add_kv_cache_arg(parser)
     add_threads_arg(parser)
     from uptrain.measure import tasks as lm_tasks  # standard library only until --tasks is given
 
@@ -320,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     task_names, manager = lm_tasks.tasks_from_args(args)  # refuse bad --tasks before any scoring
     if args.reference is not None:
         require_model_folder(args.reference)
+    check_paths(kv_format(args.kv_cache), args.models)  # a format a model cannot take: refused before any scoring
     max_length, stride = window_args(args, [*args.models, *([args.reference] if args.reference else [])])
     greedy = greedy_from_args(args, max_length, args.reference)
     with_data = not task_names or args.data or args.dataset  # with --tasks, perplexity only where data is named
@@ -331,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[dict] = [{"model": m} for m in args.models]
     if texts is not None:
         results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device,
-                                 args.reference, greedy)
+                                 args.reference, greedy, args.kv_cache)
         _print_results(results, max_length, stride, out)
         records = [asdict(r) | {"max_length": max_length, "stride": stride} for r in results]
         if args.reference is not None:  # per record: the warnings about it (the source near chance, it beating it)
@@ -356,10 +372,11 @@ def _print_results(results: Sequence[EvalResult], max_length: int, stride: int, 
     """The loss table; with a reference, the fidelity columns beside the loss, what they are, the warnings."""
     note = fidelity_note(results)
     extra = FIDELITY_COLUMNS if note else []
-    rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", *(fidelity_cells(r) if note else []), r.tokens,
-             r.documents) for r in results]
+    rows = [(r.model, f"{r.loss:.4f}", f"{r.perplexity:.3f}", *(fidelity_cells(r) if note else []), r.kv_cache,
+             f"{r.kv_bytes_per_token:,.4g}", r.tokens, r.documents) for r in results]
     print(f"max_length {max_length}, stride {stride}: {SCORING}", file=out)
-    print(format_table(["model", "loss (nats/token)", "perplexity", *extra, "tokens", "documents"], rows), file=out)
+    print(format_table(["model", "loss (nats/token)", "perplexity", *extra, "KV cache", "KV B/token", "tokens",
+                        "documents"], rows), file=out)
     if note:
         print(note, file=out)
         print_fidelity_warnings(results, out=out)

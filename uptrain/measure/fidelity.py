@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from uptrain.cli import positive_int
 from uptrain.errors import UsageError  # imports nothing of measure: eval imports this module
+from uptrain.measure.kv_cache import KVFormat, active, new_cache  # imports nothing of measure
 from uptrain.units import NEAR_CHANCE  # noqa: F401 (a source loss >= 0.9 x ln(vocab) barely models the text)
 
 BEATS_SOURCE_SE = 2.0  # a model below its source by more than 2 standard errors is not noise
@@ -126,16 +127,20 @@ def window_spans(n_tokens: int, max_length: int, stride: int) -> list[tuple[int,
     return spans
 
 
-def scored_window(model: torch.nn.Module, ids: torch.Tensor,
-                  span: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def scored_window(model: torch.nn.Module, ids: torch.Tensor, span: tuple[int, int, int],
+                  kv: KVFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [n_scored, vocab] in at least float32, targets [n_scored]) of one `window_spans` span.
 
     `ids`: LongTensor [seq] on the model's device. The one place a window is run, so that the loss
-    with and without a reference (uptrain.measure.fidelity) comes from the same numbers.
+    with and without a reference (uptrain.measure.fidelity) comes from the same numbers. `kv`: the
+    window's keys and values stored in that cache format and read back (`uptrain.measure.kv_cache`);
+    None or `model`: no cache, as saved.
     """
     begin, end, first = span
     window = ids[begin:end].unsqueeze(0)  # [1, w]
-    logits = model(input_ids=window, use_cache=False).logits[0]  # [w, vocab]
+    cache = new_cache(kv, model.config)
+    with_cache = {"use_cache": False} if cache is None else {"use_cache": True, _cache_argument(model): cache}
+    logits = model(input_ids=window, **with_cache).logits[0]  # [w, vocab]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 -> fp32
     # logits at window position i predict token i + 1; score targets [first, end).
     return logits[first - begin - 1 : end - begin - 1], ids[first:end]
@@ -161,15 +166,18 @@ def window_fidelity(pred: torch.Tensor, ref_pred: torch.Tensor, targets: torch.T
 
 @torch.no_grad()
 def sequence_fidelity(model: torch.nn.Module, reference: torch.nn.Module, ids: torch.Tensor,
-                      max_length: int, stride: int, tick: Callable[[int], None] | None = None) -> FidelitySums:
+                      max_length: int, stride: int, tick: Callable[[int], None] | None = None,
+                      kv: KVFormat | None = None) -> FidelitySums:
     """Sums of one document (`ids`: LongTensor [seq] or [1, seq]) in `window_spans` windows, both
-    models' logits one window at a time. `reference is model`: its logits are reused (KL exactly 0).
+    models' logits one window at a time. `reference is model` with no cache format: its logits are
+    reused (KL exactly 0). `kv`: the model's cache format; the reference runs as saved.
     tick(n): called with each window's scored tokens (a progress line: `eval.ScoringProgress`)."""
     ids = ids.reshape(-1).to(model.device)
     sums = FidelitySums()
+    same = reference is model and active(kv) is None
     for span in window_spans(ids.numel(), max_length, stride):
-        pred, targets = scored_window(model, ids, span)  # [n, vocab], [n]
-        ref_pred = pred if reference is model else scored_window(reference, ids.to(reference.device), span)[0]
+        pred, targets = scored_window(model, ids, span, kv)  # [n, vocab], [n]
+        ref_pred = pred if same else scored_window(reference, ids.to(reference.device), span)[0]
         sums = sums + window_fidelity(pred, ref_pred.to(pred.device), targets)
         if tick is not None:
             tick(targets.numel())
@@ -185,16 +193,17 @@ def _cache_argument(model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def greedy_continuation(model: torch.nn.Module, prompt_ids: torch.Tensor, n: int) -> torch.Tensor:
+def greedy_continuation(model: torch.nn.Module, prompt_ids: torch.Tensor, n: int,
+                        kv: KVFormat | None = None) -> torch.Tensor:
     """The `n` tokens greedy decoding appends to `prompt_ids` (LongTensor [P] or [B, P] of equal-length
     prompts, so no padding): [n] or [B, n], on the CPU. Explicit argmax with the KV cache (a model
     without one: the whole sequence again each step), never stopping at EOS; no `generate`, whose
-    generation_config may sample or stop."""
+    generation_config may sample or stop. `kv`: the cache stored in that format (`kv_cache`)."""
     batch = (prompt_ids.unsqueeze(0) if prompt_ids.dim() == 1 else prompt_ids).to(model.device)  # [B, P]
     out = torch.empty(batch.shape[0], n, dtype=torch.long)
-    name, seq, cache = _cache_argument(model), batch, None
+    name, seq, cache = _cache_argument(model), batch, new_cache(kv, model.config)
     for t in range(n if batch.shape[0] else 0):  # no prompts: nothing to run
-        step = model(input_ids=seq if cache is None else seq[:, -1:], use_cache=True,
+        step = model(input_ids=seq if t == 0 else seq[:, -1:], use_cache=True,
                      **({name: cache} if cache is not None else {}))
         nxt = step.logits[:, -1].argmax(-1)  # [B]: logits [B, t, vocab], the last position predicts
         out[:, t] = nxt.cpu()
@@ -279,13 +288,15 @@ class Reference:
         return Path(path).resolve() == self.resolved
 
     def score(self, model: torch.nn.Module, token_sequences: Iterable[torch.Tensor], max_length: int,
-              stride: int, tick: Callable[[int], None] | None = None) -> tuple[list[FidelitySums], Fidelity]:
-        """Per-document sums and the Fidelity of `model` (the reference itself: KL 0, agreements 1, exactly)."""
-        docs = [sequence_fidelity(model, self.model, ids, max_length, stride, tick) for ids in token_sequences]
+              stride: int, tick: Callable[[int], None] | None = None,
+              kv: KVFormat | None = None) -> tuple[list[FidelitySums], Fidelity]:
+        """Per-document sums and the Fidelity of `model` (the reference itself as saved: KL 0, agreements
+        1, exactly), its cache stored as `kv` (`kv_cache`; the reference's as saved)."""
+        docs = [sequence_fidelity(model, self.model, ids, max_length, stride, tick, kv) for ids in token_sequences]
         if not any(d.tokens for d in docs):
             raise UsageError("no tokens to score: the data is empty or every document is one token long")
-        ours = (self.continuations if model is self.model else
-                greedy_continuation(model, self.prompts, self.settings.continuation_tokens))
+        ours = (self.continuations if model is self.model and active(kv) is None else
+                greedy_continuation(model, self.prompts, self.settings.continuation_tokens, kv))
         return docs, fidelity_from(docs, greedy_scores(ours, self.continuations), self.settings, len(self.prompts),
                                    greedy_agreement_se(ours, self.continuations))
 

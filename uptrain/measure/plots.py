@@ -233,6 +233,32 @@ def _after(p: Mapping, metric: str):
     return (p.get("fidelity_after_uptraining") or {}).get(metric)
 
 
+def frontier(points: list, metric: str = "loss") -> list:
+    """The points no other point beats on both KV bytes and `metric` (fewer or equal bytes and a lower
+    value, or fewer bytes and an equal value), by bytes ascending: the trade's frontier."""
+    measured = sorted((p for p in points if _value(p, metric) is not None),
+                      key=lambda p: (_bytes(p), _value(p, metric)))
+    best, out = float("inf"), []
+    for p in measured:
+        if _value(p, metric) < best:
+            out.append(p)
+            best = _value(p, metric)
+    return out
+
+
+def _bytes(p) -> float:
+    return p["kv_bytes_per_token"] if isinstance(p, dict) else p.kv_bytes_per_token
+
+
+def _value(p, metric: str):
+    return p.get(metric) if isinstance(p, dict) else getattr(p, metric, None)
+
+
+def _frontier(points: Sequence[Mapping], metric: str) -> list[Mapping]:
+    """`frontier` of sweep.json records, the source's missing KL taken as 0."""
+    return frontier([{**p, metric: p.get(metric) or 0.0} for p in points], metric)
+
+
 def plot_sweep(points: Sequence[Mapping], out: str | Path, metric: str = "loss") -> Figure:
     """The K/V trade curve (uptrain.sweep): held-out loss (or `metric` "kl_to_source": the KL to the
     source, 0 for the source itself) against KV-cache bytes per token, one line per method through
@@ -242,9 +268,10 @@ def plot_sweep(points: Sequence[Mapping], out: str | Path, metric: str = "loss")
     ylabel = SWEEP_METRICS[metric]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     source, rest = points[0], [p for p in points[1:] if p.get(metric) is not None]
-    by_method: dict[str, list[Mapping]] = defaultdict(list)
+    by_method: dict[str, list[Mapping]] = defaultdict(list)  # a line per method and cache format
     for p in rest:
-        by_method[p["method"]].append(p)
+        cache = p.get("kv_cache", "model")
+        by_method[p["method"] if cache == "model" else f"{p['method']}, {cache} cache"].append(p)
     for method, series in by_method.items():
         series = sorted(series, key=lambda p: p["kv_bytes_per_token"])
         (line,) = ax.plot([p["kv_bytes_per_token"] for p in series], [p[metric] for p in series], marker="o",
@@ -258,6 +285,10 @@ def plot_sweep(points: Sequence[Mapping], out: str | Path, metric: str = "loss")
             ax.plot([p["kv_bytes_per_token"] for p in after], [_after(p, metric) for p in after],
                     marker="s", linestyle="--", color=line.get_color(),
                     label=f"{method}, uptrained {' / '.join(f'{t:,}' for t in tokens)} tokens")
+    edge = _frontier([source, *rest], metric)
+    if len(edge) > 1:  # the trade's frontier: no other point has fewer KV bytes and a lower value
+        ax.plot([p["kv_bytes_per_token"] for p in edge], [p.get(metric) or 0.0 for p in edge], color="black",
+                linewidth=3, alpha=0.25, zorder=1, label="frontier (fewest bytes for the quality)")
     level = source.get(metric) or 0.0  # the source against itself: KL 0
     ax.axhline(level, color="grey", linestyle="--", label=f"source ({source['kv_heads']} K/V heads)")
     ax.scatter([source["kv_bytes_per_token"]], [level], color="grey", zorder=3)

@@ -34,7 +34,7 @@ of the sweep's paths that it did not write is refused, never replaced.
 
 Inside this room, from the bottom: `record.py` (what every number depends on: content
 fingerprints, the folders the sweep owns, stdlib only), `extras.py` (`--bench` and
-`--uptrain-tokens`), `report.py` (the table, warnings, plots and recommendation), `run.py` (the
+`--uptrain-tokens`), `precision.py` (`--kv-cache`: K/V heads x cache precision), `report.py` (the table, warnings, plots and recommendation), `run.py` (the
 command: arguments, counts, conversions kept or redone, scoring), `__main__.py` (the entry point).
 Nothing here is imported by convert, train or measure.
 """

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from uptrain.cli import format_table
 from uptrain.sweep.extras import after_uptraining, notes, table_columns
+from uptrain.sweep.precision import recommend_pair
 from uptrain.sweep.record import RECORDS
 
 PLOTS = {"loss": "sweep.png", "kl_to_source": "sweep-fidelity.png"}
@@ -77,7 +78,8 @@ def warnings(points: list, vocab_size: int) -> list[str]:
 
 
 def _name(p) -> str:
-    return p.label if p.method == "source" else f"{p.method} kv{p.kv_heads}"
+    name = "source" if p.method == "source" else f"{p.method} kv{p.kv_heads}"
+    return name if p.kv_cache == "model" else f"{name} {p.kv_cache}"
 
 
 def _fidelity_cells(p) -> list[str]:
@@ -89,18 +91,21 @@ def _fidelity_cells(p) -> list[str]:
     return [f"{p.kl_to_source:.4f}", f"{p.top1_agreement:.1%}", greedy]
 
 
-def report(args, points: list, method: str, vocab_size: int, start_note: str | None = None) -> None:
+def report(args, points: list, method: str, vocab_size: int, start_note: str | None = None,
+           refused: dict | None = None) -> None:
     """The table, the warnings, the plots and the recommendation (and one after uptraining);
-    start_note: what kind of start the counts are when not the quality path's (`ConversionOptions.start_note`)."""
+    start_note: what kind of start the counts are when not the quality path's (`ConversionOptions.start_note`);
+    refused: the --kv-cache formats left out, with why. With cache formats, a second recommendation over
+    K/V heads x cache (`precision.recommend_pair`)."""
     from uptrain.convert.plan import human_bytes
     from uptrain.measure.plots import plot_sweep
 
     source = points[0]
-    rows = [[_name(p), p.kv_heads, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
-             *_fidelity_cells(p), f"{p.kv_bytes_per_token:,.0f} B", human_bytes(p.kv_bytes_at_context),
-             f"{source.kv_bytes_per_token / p.kv_bytes_per_token:g}x"] for p in points]
+    rows = [[_name(p), p.kv_heads, p.kv_cache, f"{p.loss:.4f}", f"{p.perplexity:.3f}", f"{p.loss / source.loss - 1:+.2%}",
+             *_fidelity_cells(p), f"{p.kv_bytes_per_token:,.4g} B", human_bytes(p.kv_bytes_at_context),
+             f"{source.kv_bytes_per_token / p.kv_bytes_per_token:.3g}x"] for p in points]
     extra_headers, extra_cells = table_columns(points, source.loss)  # --bench, --uptrain-tokens
-    print(format_table(["model", "K/V heads", "loss", "perplexity", "vs source", "KL to source", "top-1 agr.",
+    print(format_table(["model", "K/V heads", "KV cache", "loss", "perplexity", "vs source", "KL to source", "top-1 agr.",
                         "greedy agr.", "KV / token", f"KV at {source.settings['context']:,} tokens x {args.batch}",
                         "KV reduction", *extra_headers], [row + extra for row, extra in zip(rows, extra_cells)]))
     if any(p.greedy_agreement_se is not None for p in points):
@@ -114,16 +119,25 @@ def report(args, points: list, method: str, vocab_size: int, start_note: str | N
         print(line)
     for metric, name in PLOTS.items():
         plot_sweep([asdict(p) for p in points], args.out / name, metric=metric)
-    chosen = [p for p in points[1:] if p.label.startswith(method + " ")]
+    pairs = [p for p in points[1:] if p.label.startswith(method + " ")]
+    chosen = [p for p in pairs if p.kv_cache == "model"]
+    quantized_source = [p for p in points[1:] if p.method == "source"]
+    for name, why in (refused or {}).items():
+        print(f"--kv-cache {name}: left out: {why}")
     if start_note:
         print(f"note: these are the numbers of a {start_note}")
     print(recommend(chosen, source.loss, args.max_loss_increase, args.max_kl, loss_misleads=bool(said))
           + (f" ({method} start: see the note)" if start_note else ""))
+    if quantized_source:
+        print(recommend_pair(pairs + quantized_source, source, args.max_loss_increase, args.max_kl, bool(said)))
     uptrained = after_uptraining(chosen)
     if uptrained:
         later = warnings([source, *uptrained], vocab_size)
         print("after uptraining: " + recommend(uptrained, source.loss, args.max_loss_increase, args.max_kl,
                                                loss_misleads=bool(later)))
+        if quantized_source:
+            print("after uptraining: " + recommend_pair(after_uptraining(pairs) + quantized_source, source,
+                                                        args.max_loss_increase, args.max_kl, bool(later)))
     print(f"wrote {args.out / RECORDS}, {' and '.join(str(args.out / n) for n in PLOTS.values())}")
 
 

@@ -17,8 +17,10 @@ from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.sweep import AS_IT_WAS
 from uptrain.sweep import __doc__ as SWEEP_DOC
 from uptrain.sweep.extras import add_extra_args, check_extras, fidelity_of, run_extras
-from uptrain.sweep.record import MARK, SweepFolder, changes
+from uptrain.sweep.record import MARK, SweepFolder, changes, folder_fingerprint
 from uptrain.sweep.report import print_estimate, recommend, report  # noqa: F401 (recommend: public here too)
+from uptrain.measure.kv_cache import add_kv_cache_arg
+from uptrain.sweep.precision import cache_formats, precision_points, score_after_uptraining
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 
 
@@ -56,6 +58,7 @@ class Point:
     loss_vs_source: float | None = None  # loss - the source's, over the same tokens
     loss_vs_source_se: float | None = None  # its standard error over documents
     fidelity_after_uptraining: dict | None = None  # the six above, of the uptrained model
+    kv_cache: str = "model"  # the K/V cache format it was scored with (`precision.py`, uptrain.measure.kv_cache)
 
 
 def sweep_counts(spec: str, heads: int, kv: int, mqa_only: bool, model_type: str) -> list[int]:
@@ -96,6 +99,7 @@ def _parser() -> ArgParser:
     p.add_argument("--max-kl", type=float, default=None, help="also bound the recommendation's KL to the source "
                    "(nats/token); where the loss cannot choose (a warning says why) the recommendation rests on "
                    "the KL alone, bounded by this or by the loss bound in nats")
+    add_kv_cache_arg(p, several=True)
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out documents")
     p.add_argument("--out", type=Path, required=True, help="the sweep's folder (a rerun continues it)")
     add_extra_args(p)
@@ -135,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = read_config(folder)
     family, shape = source_family(raw), model_shape(raw)
     counts = sweep_counts(args.kv_heads, shape.heads, shape.kv_heads, family.mqa_only, raw.get("model_type", "?"))
+    formats, refused = cache_formats(args.kv_cache, shape.head_dim)  # a name it does not know: refused here
     jobs = _jobs(args, options, counts)
     sweep.check_free([out for _, _, outs in jobs for out in outs.values()] + _uptrained_folders(args, jobs))
     start_threads(args.threads)
@@ -146,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not texts:
         raise UsageError(f"--data {args.data} holds no held-out text to score on")
     max_length, stride = model_windows([str(folder)])
-    print(f"sweep: {shape.kv_heads} K/V heads ({shape.heads} query heads) -> {', '.join(map(str, counts))} with "
-          f"{' and '.join(name for name, _, _ in jobs)}; {len(counts) * len(jobs)} conversions, each scored on "
-          f"{len(texts):,} held-out documents in {max_length}-token windows (the model's context); into {args.out}",
-          flush=True)
-    announce_threads()
+    _announce(args, shape, counts, jobs, len(texts), max_length, formats, refused)
     _check_conversions(folder, jobs, counts)  # what needs the model's config: before anything is written
     fingerprints = sweep.fingerprints(folder, args.data, options.calib if options.calibrated else None)
     from uptrain.measure.fidelity import GreedySettings
@@ -161,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     score = functools.partial(_score, texts=texts, max_length=max_length, stride=stride, batch=args.batch,
                               reference=folder, greedy=greedy)
     done = {p["label"]: Point(**p) for p in sweep.points}
+    content = functools.partial(folder_fingerprint, digests=sweep.digests)
+    in_formats = functools.partial(precision_points, formats=formats, scoring=scoring, done=done, score=score,
+                                   fingerprint=content)
     source = done.get("source")
     if source is None or source.settings.get("scoring") != {**scoring, "checkpoint": fingerprints["checkpoint"]}:
         _say_redone("source", source, {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}})
         source = score(folder, "source", "source", shape.kv_heads,
                        {"scoring": {**scoring, "checkpoint": fingerprints["checkpoint"]}}, 0.0)
-    points = [source]
+    points = [source, *in_formats(source)]
     sweep.write([asdict(p) for p in points])
     for name, opts, outs in jobs:
         conversion = {**opts.record(), "checkpoint": fingerprints["checkpoint"], "uptrain": fingerprints["uptrain"],
@@ -179,14 +183,31 @@ def main(argv: list[str] | None = None) -> int:
             if point is None or point.settings["scoring"] != scoring:
                 point = score(*(made.get(count) or _rescore(point)))
                 point.settings["scoring"] = scoring
-            points.append(point)
+            points += [point, *in_formats(point)]
             sweep.write([asdict(p) for p in points])
     _for_this_run(points, args.batch, shape.kv_heads)
-    run_extras(args, folder, points, texts, max_length, stride, raw, lambda now: sweep.write([asdict(p) for p in now]),
-               sweep.mark)
+    write = lambda *_: sweep.write([asdict(p) for p in points])  # noqa: E731 (every point, whichever changed)
+    run_extras(args, folder, [p for p in points if p.kv_cache == "model"], texts, max_length, stride, raw, write,
+               sweep.mark)  # decode speed and uptraining: once per model, at its own dtype
+    score_after_uptraining(points, texts, max_length, stride, folder, content, write)
     sweep.write([asdict(p) for p in points])
-    report(args, points, jobs[0][0], _vocab_size(raw), jobs[0][1].start_note())
+    report(args, points, jobs[0][0], _vocab_size(raw), jobs[0][1].start_note(), refused)
     return 0
+
+
+def _announce(args, shape, counts: list[int], jobs: list, documents: int, max_length: int, formats: list,
+              refused: dict[str, str]) -> None:
+    """The sweep's first lines: what it converts and scores, the cache formats left out and why, the threads."""
+    print(f"sweep: {shape.kv_heads} K/V heads ({shape.heads} query heads) -> {', '.join(map(str, counts))} with "
+          f"{' and '.join(name for name, _, _ in jobs)}; {len(counts) * len(jobs)} conversions, each scored on "
+          f"{documents:,} held-out documents in {max_length}-token windows (the model's context); into {args.out}",
+          flush=True)
+    for name, why in refused.items():
+        print(f"--kv-cache {name}: left out: {why}", flush=True)
+    if formats:
+        print(f"each model also scored with its K/V cache stored as {', '.join(f.name for f in formats)} "
+              f"(uptrain.measure.kv_cache): {len(formats) * (1 + len(counts) * len(jobs))} more scorings", flush=True)
+    announce_threads()
 
 
 def _jobs(args, options: ConversionOptions, counts: list[int]) -> list[tuple[str, ConversionOptions, dict]]:
@@ -283,20 +304,22 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
 
 
 def _score(folder: Path, label: str, method: str, kv_heads: int, settings: dict, seconds: float, texts: list[str],
-           max_length: int, stride: int, batch: int, reference: Path, greedy) -> Point:
-    """Score `folder` with uptrain.eval's code (`evaluate_paths`), against the source `reference` (KL,
-    top-1 and greedy agreement: `uptrain.measure.fidelity`), and size its KV cache."""
+           max_length: int, stride: int, batch: int, reference: Path, greedy, kv_cache: str = "model") -> Point:
+    """Score `folder` with uptrain.eval's code (`evaluate_paths`), its K/V cache stored as `kv_cache`,
+    against the source `reference` as saved (KL, top-1 and greedy agreement: `uptrain.measure.fidelity`),
+    and size its KV cache in that format."""
     from transformers import AutoConfig
-    from uptrain.convert.io.hfconfig import stored_kv_bytes_per_token
     from uptrain.measure.eval import evaluate_paths
 
     began = time.monotonic()
-    (result,) = evaluate_paths([str(folder)], texts, max_length, stride, reference=str(reference), greedy=greedy)
-    per_token = stored_kv_bytes_per_token(folder)
+    (result,) = evaluate_paths([str(folder)], texts, max_length, stride, reference=str(reference), greedy=greedy,
+                               kv_cache=kv_cache)
+    per_token = result.kv_bytes_per_token
     context = getattr(AutoConfig.from_pretrained(folder).get_text_config(), "max_position_embeddings", None) or max_length
     settings = {**settings, "context": context, "batch": batch, "max_length": max_length, "stride": stride}
     return Point(label, method, kv_heads, result.loss, result.perplexity, per_token, per_token * context * batch,
-                 str(folder), settings, round(seconds + time.monotonic() - began, 3), **fidelity_of(result))
+                 str(folder), settings, round(seconds + time.monotonic() - began, 3), **fidelity_of(result),
+                 kv_cache=kv_cache)
 
 
 def _vocab_size(raw: dict) -> int:

@@ -10,9 +10,14 @@ conversion in `layerwise.py`.
   merged behind it (`normfit.merge_keys_under_norm`), queries unchanged; with calibration, per layer
   the better of that start and mean pooling's by the attention-output error on the calibration text
   (`layer_outputs._make_layer`, `refine_layer.LayerRefiner.choose`).
-- clip_qkv (OLMo-1): the fit in the gauge that keeps the source's sizes (`keep_scale`), so heads
-  identical within a group come back exactly even where the clamp is reached; how close the clamp
-  sits to the outputs is measured per layer and noted (`clip_note`).
+- Every fit in the gauge that keeps the source's sizes (`keep_scale`): a merged key and value take the
+  size of the heads they replace, the queries and o_proj columns the inverse (the same function: a
+  per-plane complex factor on the key and its inverse on the queries; a matrix on the value head and
+  its inverse on o_proj). So the cache holds values of the source's range: in the other gauge the
+  keys took the queries' size too (up to 716 on stories260K at 2 K/V heads, beyond float8 e4m3's
+  448, which vLLM's fp8 cache at its default scale 1.0 saturates: +34% loss instead of +4.5%;
+  results/kv-cache-trade.md). Heads identical within a group come back exactly, also where
+  clip_qkv (OLMo-1) clamps the outputs; how close that clamp sits is measured per layer (`clip_note`).
 - Refused: fused layouts with K/V heads between query heads (Falcon), and RoPE widths that do not
   pair into planes or differ between layer types.
 """
@@ -93,14 +98,14 @@ class KeyRule(NamedTuple):
     passthrough: torch.Tensor  # row indices RoPE leaves alone
     norm: str | None = None  # `KeyNorm` the keys pass through (merged behind it: `normfit`), or None
     centred: bool = False  # that norm is a LayerNorm
-    keep_scale: bool = False  # the merged key keeps the source heads' size (a clamp on q/k: clip_qkv)
+    keep_scale: bool = True  # merged keys and values keep the source heads' size (the cache's range, clip_qkv)
 
 
 def key_rule(settings: Any, head_dim: int) -> KeyRule:
     """The `KeyRule` of a layer of head_dim rows per head under `settings` (a `layerwise.Layerwise`)."""
     rotary = settings.rotary_dims or head_dim
     return KeyRule(rotary_planes(rotary, settings.interleaved), torch.arange(rotary, head_dim),
-                   settings.key_norm, settings.norm_centred, bool(settings.clip_qkv))
+                   settings.key_norm, settings.norm_centred)
 
 
 def clip_note(seen: dict[str, tuple[float, float]], clip: float, calibrated: bool) -> str:
