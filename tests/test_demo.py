@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import EXAMPLE_MHA8, TRAIN_TXT, built_gqa4
+from conftest import EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, built_gqa4
 from uptrain.data import DataSource, read_documents
 from uptrain.demo import default_kv_heads, main
 from uptrain.measure.eval import evaluate_paths
@@ -168,7 +168,9 @@ def test_out_replaces_an_earlier_demo_whole_and_refuses_another_folder(tmp_path,
             "--calib-tokens", "0", "--tasks", "none"]
     assert main(argv) == 0
     (out / "left-from-before.txt").write_text("old")
-    assert main(argv) == 0
+    assert main(argv) == 0  # the same demo again: its finished steps kept (tests/test_demo_stop.py: continued)
+    assert "holds this same demo's finished steps (convert" in capsys.readouterr().out
+    assert main([*argv, "--kv-heads", "4"]) == 0  # another demo into the folder
     assert not (out / "left-from-before.txt").exists()  # replaced whole, not mixed
     other = tmp_path / "mine"
     other.mkdir()
@@ -224,9 +226,12 @@ def _outside_model(tmp_path):
 def test_teacher_samples_run_the_demo_end_to_end_with_no_training_text(tmp_path, capsys):
     model = _outside_model(tmp_path)
     out = tmp_path / "demo"
-    assert main(["--model", str(model), "--teacher-samples", "6000", "--out", str(out), "--calib-tokens", "2048",
+    assert main(["--model", str(model), "--teacher-samples", "6000", "--out", str(out), "--calib-tokens", "8192",
                  "--refine-steps", "20", "budget.tokens=8192", "optim.warmup_steps=2", "log.progress_bar=false"]) == 0
     printed = capsys.readouterr().out
+    # said before sampling: the budget trains on the samples more than once
+    assert "the uptraining's budget is 8,192 tokens: the 6,000 sample tokens are trained on about 1.4 times" in printed
+    assert printed.index("trained on about 1.4 times") < printed.index("teacher samples: generating")
     assert re.search(r"teacher samples: generating 6,000 tokens, \d+ sequences at a time", printed), printed
     samples = [json.loads(line)["text"] for line in (out / "data" / "samples.jsonl").read_text().splitlines()]
     train = [json.loads(line)["text"] for line in (out / "data" / "train.jsonl").read_text().splitlines()]
@@ -237,7 +242,10 @@ def test_teacher_samples_run_the_demo_end_to_end_with_no_training_text(tmp_path,
     assert len(rows) == 3, printed  # a quarter of 4 K/V heads: 1
     kl = dict(re.findall(r"\| (GQA-1, converted|GQA-1, uptrained)[^|]*\|[^|]+\|[^|]+\| ([0-9.]+)", printed))
     assert float(kl["GQA-1, uptrained"]) < float(kl["GQA-1, converted"])  # distilled on the source's own text
-    assert f"calibrated on 2,048 tokens of train.jsonl" in printed
+    # the header asks for 8,192; the training part of the samples holds fewer: the real count and a warning
+    assert "calibrated on up to 8,192 tokens of train.jsonl" in printed
+    assert re.search(r"warning: calibrated on [0-9,]+ tokens, not the 8,192 asked", printed), printed
+    assert re.search(r"\(\d+ documents", printed) and "stories" not in printed.split("Held-out loss")[1].split("\n")[0]
     assert not (tmp_path / ".demo.teacher-samples").exists()  # the kept batches are gone once the text is whole
 
 
@@ -246,3 +254,33 @@ def test_teacher_samples_and_data_together_are_refused_in_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--teacher-samples" in err[0] and "not both" in err[0], err
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("bad", ["valid", "override"])
+def test_teacher_samples_wait_for_every_check_that_needs_no_sample(tmp_path, capsys, bad):
+    """--valid (here empty) and the uptraining's overrides (here a mistyped key) are refused before the first
+    sample is drawn and before --out is made (on a 7B model sampling takes hours)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "demo"
+    extra = ["--valid", str(empty)] if bad == "valid" else ["optim.lrr=3e-4"]
+    assert main(["--model", str(_outside_model(tmp_path)), "--teacher-samples", "6000", "--out", str(out), *extra]) == 2
+    captured = capsys.readouterr()
+    assert ("is empty" if bad == "valid" else "optim.lrr") in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "teacher samples" not in captured.out and not out.exists() and not (tmp_path / ".demo.teacher-samples").exists()
+
+
+def test_convert_and_the_sweep_warn_when_the_calibration_text_is_shorter_than_asked(tmp_path, capsys):
+    from uptrain.convert.__main__ import main as convert_main
+    from uptrain.sweep.run import main as sweep_main
+
+    short = tmp_path / "short.txt"
+    short.write_text(TRAIN_TXT.read_text()[:600])
+    assert convert_main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(short),
+                         "--calib-tokens", "4096", "--out", str(tmp_path / "kv2")]) == 0
+    assert re.search(r"warning: calibrated on \d+ tokens, not the 4,096 asked", capsys.readouterr().err)
+    valid = tmp_path / "valid.txt"
+    valid.write_text(VALID_TXT.read_text().split("\n\n")[0])
+    assert sweep_main([str(EXAMPLE_MHA8), "--data", str(valid), "--kv-heads", "2", "--method", "fit", "--calib",
+                       str(short), "--calib-tokens", "4096", "--threads", "1", "--out", str(tmp_path / "sweep")]) == 0
+    assert re.search(r"warning: calibrated on \d+ tokens, not the 4,096 asked", capsys.readouterr().out)

@@ -112,3 +112,47 @@ def test_a_demo_stopped_in_its_conversion_continues_from_the_kept_layers_as_its_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "continues an interrupted conversion: layers 0-1 of 5" in done.stdout, done.stdout[-3000:]
     assert not [p for p in out.iterdir() if ".layers-" in p.name]  # the output in place: the kept layers go
+
+
+def test_a_demo_stopped_in_its_uptraining_continues_from_its_checkpoint_and_ends_as_an_uninterrupted_one(tmp_path):
+    """Before: the rerun emptied --out, converted again and trained from step 0, and the stop line said
+    "the folder being written was removed". Now the stop line says what is kept and what the rerun does,
+    the rerun keeps the conversion and resumes the uptraining, and its weights are an uninterrupted demo's."""
+    from safetensors.torch import load_file
+
+    out, whole = tmp_path / "demo", tmp_path / "whole"
+    command = [sys.executable, "-m", "uptrain.demo", *DEMO_ARGS]
+    code, err = _stopped([*command, "--out", str(out)], "SIGTERM", {"UPTRAIN_TEST_SIGNAL_AT": "2:0:SIGTERM"}, "")
+    assert code == 143 and "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert LINE.match(line) and "keeps: convert" in line and "the same command continues from it" in line, line
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "kept from the earlier run" in again.stdout and "continues from checkpoint-00000002" in again.stdout
+    assert "resuming from" in again.stdout and "calibrat" not in again.stdout.split("== uptrain")[0].split("kept")[-1]
+    done = subprocess.run([*command, "--out", str(whole)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = lambda text: [row for row in text.splitlines() if row.startswith("| ")]  # noqa: E731
+    assert table(again.stdout) == table(done.stdout)
+    ours, theirs = (load_file(folder / "uptrain" / "model" / "model.safetensors") for folder in (out, whole))
+    assert all(ours[k].equal(theirs[k]) for k in theirs)  # resumed: bit for bit the uninterrupted run
+
+
+def test_a_stop_while_the_source_writes_samples_names_the_kept_batches(tmp_path):
+    out = tmp_path / "demo"
+    command = [sys.executable, "-m", "uptrain.demo", "--out", str(out), "--teacher-samples", "400000", "--stories", "2",
+               "--tasks", "none", "threads=1"]
+    proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chunks = tmp_path / ".demo.teacher-samples" / "chunks"
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not (chunks.is_dir() and any(chunks.iterdir())):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert LINE.match(line) and re.search(r"\d+ sample batches kept in \S*\.demo\.teacher-samples", line), line
+    assert "the same command continues from them" in line

@@ -119,3 +119,45 @@ def test_two_conversions_into_one_folder_one_is_refused(tmp_path):
     record = json.loads((out / "uptrain_conversion.json").read_text())
     assert record["method"] == ("mean" if held.returncode == 0 else "first"), record  # the one that was not refused
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("where", ["inside", "link", "itself"])
+def test_a_sweep_into_its_source_is_refused_before_any_work(tmp_path, capsys, where):
+    """--out inside the source, a symlink to it, or the source folder: one line, exit 2, as
+    uptrain.convert refuses it, and the source untouched. Before: SRC/sub scored the source, wrote
+    sweep.json into the model folder, and was refused only by the first conversion."""
+    from uptrain.sweep.run import main as sweep_main
+
+    model = tmp_path / "my-model"
+    shutil.copytree(EXAMPLE_MHA8, model)
+    (tmp_path / "link").symlink_to(model)
+    before = {p.name: p.stat().st_mtime_ns for p in model.iterdir()}
+    out = {"inside": model / "sub", "link": tmp_path / "link", "itself": model}[where]
+    argv = [str(model), "--data", str(VALID_TXT), "--stories", "2", "--kv-heads", "4", "--threads", "1"]
+    assert sweep_main([*argv, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and f"--out {model.resolve()}" in err[0] and "is inside the source checkpoint" in err[0], err
+    assert captured.out == "", captured.out  # nothing announced, nothing scored
+    assert {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == before
+
+
+def test_a_sweep_of_a_folder_of_its_own_into_it_is_refused(tmp_path, capsys):
+    """The source inside --out (a sweep's converted model swept again into that sweep): refused too."""
+    from uptrain.sweep.run import main as sweep_main
+
+    out = tmp_path / "sweep"
+    shutil.copytree(EXAMPLE_MHA8, out / "kv8")
+    assert sweep_main([str(out / "kv8"), "--data", str(VALID_TXT), "--kv-heads", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is inside --out" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["kv8"]
+
+
+def test_a_sweep_given_a_folder_as_data_says_it_is_a_folder(tmp_path, capsys):
+    from uptrain.sweep.run import main as sweep_main
+
+    assert sweep_main([str(EXAMPLE_MHA8), "--data", str(tmp_path), "--out", str(tmp_path / "sweep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--data {tmp_path} is a folder; pass the held-out text file" in err[0], err
+    assert "does not exist" not in err[0] and not (tmp_path / "sweep").exists()

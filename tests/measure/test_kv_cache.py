@@ -302,3 +302,25 @@ def test_compare_and_sweep_refuse_before_any_work(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert sweep_main([str(STORIES), "--data", str(data), "--kv-cache", "fp8,int3", "--out", str(out)]) == 2
     assert "'int3' is not a cache format" in capsys.readouterr().err and not out.exists()
+
+
+def test_fp8_round_trip_is_transformers_own_fp8_cache_quantizer():
+    """transformers' QuantizedCache(backend="fp8") (Fp8QuantizedLayer): the scale is fixed at the first write
+    (max |x| / 448) and that first chunk is returned unrounded; every later write is stored in float8 e4m3 at
+    that scale. Decoding one token through it reads back what `fp8_round_trip` at that scale gives."""
+    from transformers.cache_utils import Fp8QuantizedLayer
+
+    from uptrain.measure.kv_cache import fp8_round_trip
+
+    torch.manual_seed(0)
+    layer = Fp8QuantizedLayer()
+    prompt_k, prompt_v = torch.randn(1, 4, 12, 32) * 3, torch.randn(1, 4, 12, 32)
+    first_k, _ = layer.update(prompt_k, prompt_v)
+    assert torch.equal(first_k, prompt_k)  # the prompt's own attention sees it unrounded
+    new_k, new_v = torch.randn(1, 4, 1, 32) * 3, torch.randn(1, 4, 1, 32)
+    keys, values = layer.update(new_k, new_v)
+    k_scale = float(prompt_k.abs().amax() / torch.finfo(torch.float8_e4m3fn).max)
+    v_scale = float(prompt_v.abs().amax() / torch.finfo(torch.float8_e4m3fn).max)
+    assert torch.allclose(keys[:, :, -1:], fp8_round_trip(new_k, torch.float8_e4m3fn, k_scale), rtol=0, atol=1e-6)
+    assert torch.allclose(values[:, :, -1:], fp8_round_trip(new_v, torch.float8_e4m3fn, v_scale), rtol=0, atol=1e-6)
+    assert torch.allclose(keys[:, :, :12], fp8_round_trip(prompt_k, torch.float8_e4m3fn, k_scale), rtol=0, atol=1e-6)

@@ -76,3 +76,77 @@ def test_a_teacher_expanded_from_gqa_stores_each_head_once_and_decodes_as_transf
                                    eos_token_id=None)[0, len(r):].tolist() for r in rows]
             assert results[name] == want
     assert results["mha"] == results["gqa"]  # the same function, decoded the same
+
+
+def _paired_heads(model, which: tuple[str, ...]) -> None:
+    """Make each odd K/V head a copy of the even one before it, in the projections named in `which` (k_proj,
+    v_proj), weights and biases, in every layer: in place, as a conversion or a training step writes weights."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in which:
+                proj = getattr(layer.self_attn, name)
+                for t in (proj.weight, proj.bias):
+                    if t is not None:
+                        heads = t.view(model.config.num_key_value_heads, -1, *t.shape[1:])
+                        heads[1::2] = heads[0::2]
+
+
+def _mha_teacher():
+    """A tiny 8-head MHA llama (random weights, biases), its logits scaled far from ties."""
+    model = random_model(tiny_config("llama", {**GQA_TYPES["llama"], "num_key_value_heads": HEADS}), seed=4)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.mul_(20.0 / head.norm(dim=-1, keepdim=True).mean())
+    return model
+
+
+def _sampled_logits_against_transformers(model, monkeypatch) -> float:
+    """The largest gap between the logits the sampler drew from (greedy, 10 new tokens after prompts of three
+    lengths, left-padded) and transformers' own forward over each prompt + what was drawn."""
+    seen = []
+    draw = sampling.sample_next
+    monkeypatch.setattr(sampling, "sample_next", lambda logits, *a: (seen.append(logits.clone()), draw(logits, *a))[1])
+    rows = [[1, 5, 9, 33, 7], [1, 17], [1, 40, 3]]
+    made = sample_continuations(model, rows, 10, None, 0, 0.0, 1.0, seed=0)
+    monkeypatch.setattr(sampling, "sample_next", draw)
+    gap = 0.0
+    with torch.no_grad():
+        for r, (prompt, new) in enumerate(zip(rows, made)):
+            want = model(torch.tensor([prompt + new])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(new)]
+            got = torch.stack([step[r] for step in seen[:len(new)]])
+            gap = max(gap, float((got - want).abs().max()))
+    return gap
+
+
+def test_keys_that_repeat_over_values_that_do_not_are_no_group(monkeypatch):
+    # K heads in identical pairs, V heads all distinct: a probe of the keys alone would keep one V head of
+    # each pair and drop the other (logits off by ~0.4). Both must repeat: no grouping, transformers' logits.
+    model = _mha_teacher()
+    _paired_heads(model, ("k_proj",))
+    assert repeated_kv_groups(model) == [1, 1]
+    assert _sampled_logits_against_transformers(model, monkeypatch) < 1e-4
+    _paired_heads(model, ("v_proj",))  # now both: pairs stored once, the same logits
+    assert repeated_kv_groups(model) == [2, 2]
+    assert [layer.group for layer in decode_cache(model, 8).layers] == [2, 2]
+    assert _sampled_logits_against_transformers(model, monkeypatch) < 1e-4
+
+
+def test_a_grouping_follows_the_weights_changed_between_two_calls(monkeypatch):
+    # A sampler whose model is trained between calls (a student): the first call's pairs of identical heads
+    # are gone after an in-place step, and again after a write through .data (which no version counter sees).
+    model = _mha_teacher()
+    _paired_heads(model, ("k_proj", "v_proj"))
+    assert _sampled_logits_against_transformers(model, monkeypatch) < 1e-4
+    assert repeated_kv_groups(model) == [2, 2]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # as an optimizer step: in place, under no_grad
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.add_(torch.randn(layer.self_attn.v_proj.weight.shape, generator=gen) * 0.1)
+    assert _sampled_logits_against_transformers(model, monkeypatch) < 1e-4
+    assert repeated_kv_groups(model) == [1, 1]
+    _paired_heads(model, ("v_proj",))
+    assert repeated_kv_groups(model) == [2, 2]
+    for layer in model.model.layers:  # through .data: the parameter's version counter does not move
+        layer.self_attn.k_proj.weight.data.add_(torch.randn(layer.self_attn.k_proj.weight.shape, generator=gen) * 0.1)
+    assert _sampled_logits_against_transformers(model, monkeypatch) < 1e-4

@@ -144,3 +144,12 @@ def test_decode_attention_equals_sdpa_over_the_filled_cache(heads, kv_heads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         plain, _ = sdpa_attention_forward(module, q, k[:, :, :n], v[:, :, :n], None, scaling=dim ** -0.5)
         torch.testing.assert_close(free, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_no_eos_and_no_pad_sample_every_row_to_max_new_tokens():
+    # A tokenizer with a BOS and no EOS (llama2.c's) has no EOS to stop at nor to pad with: every row runs
+    # to max_new_tokens, the padding (masked out) is id 0, and the tokens are those of an explicit pad.
+    model = AutoModelForCausalLM.from_pretrained(MHA8, dtype=torch.float32).eval()
+    made = sample_continuations(model, PROMPTS, 20, None, None, 1.0, 0.95, seed=3)
+    assert [len(row) for row in made] == [20] * len(PROMPTS)
+    assert made == sample_continuations(model, PROMPTS, 20, None, 0, 1.0, 0.95, seed=3)

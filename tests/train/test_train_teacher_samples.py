@@ -250,3 +250,134 @@ def test_a_stopped_generation_keeps_its_batches_and_the_rerun_equals_an_uninterr
     teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), again.append)
     assert (f"{kept} batches kept from a stopped run" in again[0]) == (kept > 0), again[0]
     assert out.read_text() == whole.read_text() and not partial.exists()
+
+
+def _short_teacher(positions: int):
+    """A tiny llama of `positions` positions (random weights) over stories260K's vocabulary, with its tokenizer."""
+    from transformers import AutoTokenizer
+    from families import tiny_config
+    from tiny import random_model
+
+    model = random_model(tiny_config("llama", {"vocab_size": 512, "max_position_embeddings": positions}), seed=3)
+    model.set_attn_implementation("sdpa")
+    return model, AutoTokenizer.from_pretrained(MHA8)
+
+
+LONG_PROMPT = "Once upon a time there was a little girl named Lily who loved to play in the park with her dog"  # 30 ids
+
+
+def test_a_prompt_counts_against_the_teachers_positions(tmp_path, monkeypatch):
+    # A 64-position teacher asked for 63 new tokens after a 30-token prompt: 34 new (64 positions, not 93);
+    # the sampler itself refuses more, and a prompt that fills the positions is refused before generating.
+    import torch
+    from uptrain.data import TeacherSamples
+    from uptrain.errors import UsageError
+    from uptrain.train.model import teacher_samples
+    from uptrain.train.model.sampling import sample_continuations
+
+    model, tok = _short_teacher(64)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{LONG_PROMPT}\nTom had a red ball\n")
+    calls = []
+
+    def recorded(model, rows, new, *args, **kwargs):
+        calls.append((max(len(r) for r in rows), new))
+        return sample_continuations(model, rows, new, *args, **kwargs)
+    monkeypatch.setattr(teacher_samples, "sample_continuations", recorded)
+    ts = TeacherSamples(tokens=300, max_new_tokens=63, batch=1, seed=0, prompts=str(prompts))  # a prompt a batch
+    texts, n = teacher_samples.generate_documents(model, tok, ts, torch.device("cpu"))
+    assert texts and n >= 300 and all(width + new <= 64 for width, new in calls), calls
+    assert (30, 34) in calls and (9, 55) in calls, calls  # the batches with the long prompt, and without
+
+    with pytest.raises(UsageError, match=r"30 tokens \+ 63 new tokens needs 93 positions; the model has 64"):
+        sample_continuations(model, [tok(LONG_PROMPT)["input_ids"]], 63, None, 0, 1.0, 1.0, seed=0)
+    prompts.write_text(" ".join([LONG_PROMPT] * 3) + "\n")  # 88 tokens
+    with pytest.raises(UsageError, match="a prompt of 88 tokens leaves no room in the teacher's 64 positions"):
+        teacher_samples.generate_documents(model, tok, ts, torch.device("cpu"))
+
+
+def test_a_tokenizer_with_a_bos_and_no_eos_samples_documents_to_their_longest(tmp_path):
+    # Its eos_token removed from tokenizer_config.json: nothing ends a row but max_new_tokens (and the
+    # documents inside a row are split at each BOS). With prompts of two lengths the left padding needs an
+    # id, too. (Before: TypeError from the sampler, exit 1.)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from uptrain.data import TeacherSamples
+    from uptrain.train.model.teacher_samples import ChunkStore, generate_documents
+
+    teacher = tmp_path / "no-eos"
+    shutil.copytree(MHA8, teacher)
+    config = json.loads((teacher / "tokenizer_config.json").read_text())
+    (teacher / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    model, tok = AutoModelForCausalLM.from_pretrained(teacher).eval(), AutoTokenizer.from_pretrained(teacher)
+    assert tok.eos_token_id is None and tok.bos_token_id == 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nTom had a red ball\n")
+    for path in (None, prompts):
+        chunks = ChunkStore(tmp_path / f"chunks-{path is None}")
+        ts = TeacherSamples(tokens=128, max_new_tokens=32, batch=4, seed=0, prompts=str(path) if path else None)
+        texts, n = generate_documents(model, tok, ts, torch.device("cpu"), chunks)
+        rows = [row for i in range(chunks.count()) for row in chunks.read(i)]
+        assert n == 128 and texts and [row["new_tokens"] for row in rows] == [32] * 4, rows
+        if path:
+            assert all(t.startswith(("Once upon a time", "Tom had a red ball")) for t in texts[:1]), texts
+
+
+def test_the_last_batch_is_sized_to_the_tokens_left_and_a_continued_run_equals_an_uninterrupted_one(tmp_path,
+                                                                                                 monkeypatch):
+    # 600 tokens in batches of 8 rows x 64: the second batch needs 88 tokens, so 2 rows (128), not 8 (512): 640
+    # sampled, within one document of 600 (before: 1,024). A run stopped inside that batch continues to the same text.
+    import torch
+    from uptrain.data import TeacherSamples
+    from uptrain.train.model.teacher_samples import teacher_text_file
+
+    monkeypatch.setenv("UPTRAIN_PROGRESS_EVERY", "0")
+    ts = TeacherSamples(tokens=600, max_new_tokens=64, batch=8, seed=5)
+    whole, partial, out = tmp_path / "whole.jsonl", tmp_path / ".partial", tmp_path / "samples.jsonl"
+    made = teacher_text_file(MHA8, ts, whole, tmp_path / ".whole-partial", torch.device("cpu"), lambda line: None)
+    assert made["tokens_made"] == 640 and 600 <= made["tokens"] < 600 + 64, made
+
+    def stop_in_second(line: str) -> None:
+        if " of " in line and len(list((partial / "chunks").glob("chunk-*.json"))) == 1:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), stop_in_second)
+    again = teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), lambda line: None)
+    assert out.read_text() == whole.read_text() and again["tokens"] == made["tokens"]
+
+
+def test_a_continued_generation_rates_only_the_tokens_made_now(tmp_path, monkeypatch):
+    # 2 of 3 batches kept from a stopped run: the rerun makes 512 tokens. Its returned rate and every progress
+    # line's rate count those alone (a clock that ticks 1 s a reading), its progress those and the kept ones.
+    import functools
+    import itertools
+    import torch
+    from uptrain.data import TeacherSamples
+    from uptrain.train.model import teacher_samples
+    from uptrain.train.model.teacher_samples import teacher_text_file
+
+    monkeypatch.setenv("UPTRAIN_PROGRESS_EVERY", "0")
+    ts = TeacherSamples(tokens=1500, max_new_tokens=64, batch=8, seed=5)  # 3 batches of 8 x 64
+    partial, out = tmp_path / ".partial", tmp_path / "samples.jsonl"
+
+    def stop_in_third(line: str) -> None:
+        if " of " in line and len(list((partial / "chunks").glob("chunk-*.json"))) == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), stop_in_third)
+    kept = sum(row["new_tokens"] for i in range(2) for row in json.loads(
+        (partial / "chunks" / f"chunk-{i:06d}.json").read_text())["rows"])
+    ticks = itertools.count()
+    monkeypatch.setattr(teacher_samples, "timed_progress",
+                        functools.partial(teacher_samples.timed_progress, clock=lambda: float(next(ticks))))
+    lines: list[str] = []
+    made = teacher_text_file(MHA8, ts, out, partial, torch.device("cpu"), lines.append)
+    assert made["batches_reused"] == 2 and made["tokens_made"] == made["tokens"] - kept == 512, made
+    assert made["tokens_per_s"] == pytest.approx(512 / made["seconds"])  # before: all 1,536 tokens over these seconds
+    progress = [re.match(r"teacher samples: ([\d,]+) of 1,500 tokens \(\d+%\), ([\d,]+) tokens/s", line)
+                for line in lines[1:]]
+    assert len(progress) == 64 and all(progress), lines[:3]
+    for j, m in enumerate(progress, start=1):  # the clock read at creation (0), its last line (1), then each step
+        so_far = int(m.group(1).replace(",", ""))
+        assert so_far == min(kept + 8 * j, 1500)
+        assert m.group(2) == f"{8 * j / (1 + j):,.0f}", (j, m.group(0))  # not (kept + 8 j) / (1 + j)

@@ -202,6 +202,10 @@ def _main(argv: list[str] | None = None) -> int:
               + (f"; the source's loss on it {c['source_loss']:.3f} nats/token" if "source_loss" in c else ""))
         if c.get("near_chance"):
             print(f"warning: {c['near_chance']}", file=sys.stderr)
+        from uptrain.convert.layers.calibrate import shortfall_warning
+
+        if shortfall_warning(c):
+            print(shortfall_warning(c), file=sys.stderr)
     if plan.refinement and plan.refinement.get("layers"):
         done = plan.refinement["layers"]
         print("refined: " + ", ".join(f"{x['error_before']:.3f}->{x['error_after']:.3f}" for x in done)

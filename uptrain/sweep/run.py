@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
-from uptrain.convert.io.output_dir import check_writable
+from uptrain.convert.io.output_dir import check_apart, check_writable
 from uptrain.convert.options import ConversionOptions, add_conversion_args, conversion_options
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.sweep import AS_IT_WAS
@@ -115,9 +115,23 @@ def _check_args(args) -> ConversionOptions:
     if args.calib is not None and args.calib.resolve() == args.data.resolve():
         raise UsageError("--calib and --data are the same file: score on text the calibration did not see "
                          "(split your text, e.g. the last tenth of its documents for --data)")
+    if args.data.is_dir():  # a folder of texts is not read: say so, not that it is missing
+        raise UsageError(f"--data {args.data} is a folder; pass the held-out text file to score on (.txt, "
+                         f".jsonl, .json or .parquet)")
     if not args.data.is_file():
         raise UsageError(f"--data {args.data} does not exist; pass the held-out text file to score on")
     return options
+
+
+def _open_out(args) -> SweepFolder:
+    """The sweep's folder, after every refusal of --out that needs no model: the source itself, a
+    folder inside it or one holding it (as uptrain.convert refuses; a symlink is followed), one that
+    cannot be written, one no sweep wrote. Before the source is scored, so nothing is written."""
+    checkpoint = Path(args.checkpoint).expanduser()
+    if checkpoint.exists():  # a Hub id: checked again once it is downloaded (`main`)
+        check_apart(args.out, checkpoint, "--out")
+    check_writable(args.out, "--out")
+    return SweepFolder(args.out)  # refuses a folder this version did not write, or no sweep wrote
 
 
 @exit_on_usage_error
@@ -130,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         at_once.install("uptrain.sweep", AS_IT_WAS)
     args = _parser().parse_args(argv)
     options = _check_args(args)
-    check_writable(args.out, "--out")
-    sweep = SweepFolder(args.out)  # refuses a folder this version did not write, or no sweep wrote
+    sweep = _open_out(args)
     from uptrain.convert.io.hfconfig import model_shape, source_family  # torch and transformers: seconds
     from uptrain.convert.io.source import read_config, resolve_source
 
     folder = resolve_source(args.checkpoint)
+    check_apart(args.out, folder, "--out")  # a Hub id's download (a local folder: refused already)
     raw = read_config(folder)
     family, shape = source_family(raw), model_shape(raw)
     counts = sweep_counts(args.kv_heads, shape.heads, shape.kv_heads, family.mqa_only, raw.get("model_type", "?"))
@@ -293,6 +307,11 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
                    progress=lambda count, line: print(f"   kv{count}: {line}", flush=True))
     if calibration is not None and calibration.record.get("near_chance"):
         print(f"   warning: {calibration.record['near_chance']}", flush=True)
+    if calibration is not None:
+        from uptrain.convert.layers.calibrate import shortfall_warning
+
+        if shortfall_warning(calibration.record):
+            print(f"   {shortfall_warning(calibration.record)}", flush=True)
     from uptrain.stopping import at_once
 
     at_once.end_if_pending()  # a signal held while the folders were put in place: they are whole, stop now

@@ -39,6 +39,7 @@ from uptrain.train.stop.preempt import Preempted, StopRequest
 from uptrain.train.setup import build_data, make_accelerator, make_optimizer
 from uptrain.train.model.teacher_samples import ensure_teacher_samples
 from uptrain.train.model.trainable import apply_trainable, param_numel, stages_line, trainable_line
+from uptrain.train.model.validate import validation_line
 from uptrain.train.steps import Run, train_steps
 
 
@@ -53,7 +54,7 @@ def train(config: TrainConfig) -> dict:
         if start_step == 0 and run.config.eval.at_start:
             first = run.validate()
             run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
-            run.accelerator.print(f"step 0: val loss {first['val_loss']:.4f}, ppl {first['val_ppl']:.2f}")
+            run.accelerator.print(validation_line(0, first))
         stop.phase_done()  # (a test hook: a stop here, after the load and the evaluation, is still in set-up)
         stop.setup_done()
         try:
@@ -182,9 +183,7 @@ def finish_run(run: Run, last_record: dict) -> dict:
     config, accelerator, plan = run.config, run.accelerator, run.plan
     final_eval = run.validate()
     run.log({"step": plan.steps, **final_eval})
-    against = (f"; against the teacher: KL {final_eval['val_kl_to_teacher']:.4f} nats/token, top-1 agreement "
-               f"{final_eval['val_top1_agreement']:.1%}" if "val_kl_to_teacher" in final_eval else "")
-    accelerator.print(f"step {plan.steps}: val loss {final_eval['val_loss']:.4f}, ppl {final_eval['val_ppl']:.2f}{against}")
+    accelerator.print(validation_line(plan.steps, final_eval))
     history = run.metrics.read()
     start_val = next((r["val_loss"] for r in history if r["step"] == 0 and "val_loss" in r), None)
     card = {

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from uptrain.train.parallel import shard
 from uptrain.train.config import TrainConfig
-from uptrain.train.report.eta import EtaTracker, format_eta
+from uptrain.convert.progress import progress_every
+from uptrain.train.report.eta import EtaTracker, ProgressLines, format_eta, plain_output
 from uptrain.train.stop.health import StepHealth, check_finite
 from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
 from uptrain.stopping.codes import signal_name
@@ -34,7 +35,7 @@ from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overru
 from uptrain.train.state.run_state import complete_checkpoints, save_checkpoint
 from uptrain.train.setup import lr_at
 from uptrain.train.model.trainable import set_trainable, trainable_at
-from uptrain.train.model.validate import validate_blocks
+from uptrain.train.model.validate import validate_blocks, validation_line
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -97,10 +98,18 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
     steps, before each evaluation and checkpoint, at the last step, and at a step a stop signal
     ends. Raises Preempted (on every process, after a checkpoint) when `stop` reports a stop signal.
     """
+    progress = _Progress(run, start_step)
+    try:
+        return _loop(run, start_step, batches, stop, progress)
+    finally:  # also on Preempted or a diverged step: the bar ends, the progress lines' watcher stops
+        progress.close()
+
+
+def _loop(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None, progress: _Progress) -> dict:
+    """`train_steps`'s loop (its doc); returns the last metrics record."""
     config, plan, accelerator = run.config, run.plan, run.accelerator
     sharded = shard.is_sharded(run.model)  # shard=fsdp2; FSDP2 averages gradients like DDP: x world holds
-    health, progress, record = StepHealth(accelerator.device), _Progress(run, start_step), {}
-    stages = _Stages(run)
+    health, stages, record = StepHealth(accelerator.device), _Stages(run), {}
     for step in range(start_step, plan.steps):
         done = step + 1
         stages.enter(step)
@@ -128,14 +137,15 @@ def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRe
             record = _metrics_record(run, done, stats, lr, progress.tok_s)
             run.log(record)
         if due.eval:
-            run.log({"step": done, **run.validate()})
+            result = run.validate()
+            run.log({"step": done, **result})
+            progress.say(validation_line(done, result))  # every validation, not only the first and last
         saved = _save(run, done) if due.save else None
         if due.any and stop is not None:
             signum = stop.agreed(done)
         if signum and done < plan.steps:
-            progress.close()
+            progress.close()  # the bar ends before the stop's lines (closed again by train_steps: harmless)
             raise Preempted(signal_name(signum), done, plan.steps, saved or _stop_checkpoint(run, done, stop))
-    progress.close()
     return record
 
 
@@ -175,13 +185,26 @@ def _set_lr(run: Run, step: int) -> float:
 
 
 class _Progress:
-    """The progress bar (tokens/s and the losses at each sync point) and the ETA lines."""
+    """The progress (tokens/s and the losses at each sync point) and the ETA lines: a tqdm bar on a
+    terminal; where the output is a log file or a pipe, plain lines instead (`ProgressLines`: at least
+    every UPTRAIN_PROGRESS_EVERY, default 10, seconds, no carriage returns). log.progress_bar false: neither."""
 
     def __init__(self, run: Run, start_step: int):
         self.run, self.tokens, self.t_start, self.tok_s = run, 0, time.time(), 0.0
-        self.eta = EtaTracker()
-        self.bar = tqdm(total=run.plan.steps, initial=start_step,
-                        disable=not (run.accelerator.is_main_process and run.config.log.progress_bar), desc="train")
+        self.eta, self.figures = EtaTracker(), ""
+        shown = run.accelerator.is_main_process and run.config.log.progress_bar
+        self.lines = ProgressLines(run.plan.steps, start_step, progress_every()) if shown and plain_output() else None
+        self.bar = tqdm(total=run.plan.steps, initial=start_step, disable=not shown or self.lines is not None,
+                        desc="train")
+
+    def say(self, line: str) -> None:
+        """A line of the trainer's own (main process only), above the bar or among the progress lines."""
+        if not self.run.accelerator.is_main_process:
+            return
+        if self.lines is not None:
+            self.lines.say(line)
+        else:
+            self.bar.write(line)
 
     def step(self, done: int, stats, lr: float) -> None:
         steps = self.run.plan.steps
@@ -194,15 +217,21 @@ class _Progress:
             losses = {"lm": f"{stats.lm:.4f}", "kd": f"{stats.kd:.4f}"} if self.run.teacher is not None else {
                 "loss": f"{stats.loss:.4f}"}
             self.bar.set_postfix(**losses, lr=f"{lr:.2e}", tok_s=f"{self.tok_s:,.0f}")
+            self.figures = ", ".join(f"{k} {v}" for k, v in {**losses, "lr": f"{lr:.2e}"}.items())
+            self.figures += f", {self.tok_s:,.0f} tokens/s"
+        if self.lines is not None:
+            self.lines.step(done, self.figures)
         # ETA from a moving window of recent step times past the warm-up (uptrain.train.report.eta); between
         # sync points the host runs ahead of the device, the step at the sync point absorbs the wait
         left = self.eta.update(time.monotonic(), steps - done)
-        if left is not None and self.run.accelerator.is_main_process:
-            self.bar.write(f"ETA: {format_eta(left)} for {steps - done} more steps at "
-                           f"{left / (steps - done):.2f} s/step (recent steps; step {done}/{steps})")
+        if left is not None:
+            self.say(f"ETA: {format_eta(left)} for {steps - done} more steps at "
+                     f"{left / (steps - done):.2f} s/step (recent steps; step {done}/{steps})")
 
     def close(self) -> None:
         self.bar.close()
+        if self.lines is not None:
+            self.lines.close()
 
 
 def _forward_backward(run: Run, window: list[torch.Tensor], sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:

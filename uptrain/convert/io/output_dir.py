@@ -32,17 +32,24 @@ def check_output_path(out: Path, source: Path, force: bool) -> None:
     First finishes a replacement of `out` that a killed run left half done (`recover_output`), so
     that what exists is judged as it will be.
     """
-    out, source = out.resolve(), source.resolve()
-    if out == source or out.is_relative_to(source):
-        raise UsageError(f"output {out} is inside the source checkpoint {source}; choose a folder outside it")
-    if source.is_relative_to(out):
-        raise UsageError(f"the source checkpoint {source} is inside output {out}; choose another output")
+    out = check_apart(out, source)
     recover_output(out)
     if out.exists() and not force:
         raise UsageError(f"output {out} already exists; pass --force to replace it or choose another folder")
     if out.exists() and not out.is_dir():
         raise UsageError(f"output {out} is a file; choose a folder path")
     check_writable(out, "output")
+
+
+def check_apart(out: Path, source: Path, what: str = "output") -> Path:
+    """Refuse an output folder that is the source, lies inside it or holds it (symlinks followed:
+    a link to the source is the source); returns `out` resolved. Also the sweep's, before any work."""
+    out, source = out.resolve(), source.resolve()
+    if out == source or out.is_relative_to(source):
+        raise UsageError(f"{what} {out} is inside the source checkpoint {source}; choose a folder outside it")
+    if source.is_relative_to(out):
+        raise UsageError(f"the source checkpoint {source} is inside {what} {out}; choose another {what}")
+    return out
 
 
 def check_writable(out: Path, what: str = "--out") -> None:

@@ -15,7 +15,9 @@ per-step logits-processor chain. Here instead:
 A model whose attention is not SDPA (eager for soft-capping, say) keeps its own attention function.
 
 Rows may have prompts of different lengths (left-padded); a row stops at its first EOS and the
-call ends when every row has stopped or `max_new_tokens` are made.
+call ends when every row has stopped or `max_new_tokens` are made (with no EOS, as for a tokenizer
+with a BOS only: `max_new_tokens` in every row). Prompt + new tokens must fit the model's
+max_position_embeddings (refused otherwise: the caller caps, `teacher_samples.new_tokens_cap`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from transformers import AttentionInterface, StaticCache
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from uptrain.errors import UsageError
 from uptrain.train.model.decode_cache import decode_cache
 
 TOP_K = 64  # candidates kept for top-p before falling back to a full sort (most rows need far fewer)
@@ -143,15 +146,23 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 @torch.no_grad()
 def sample_continuations(model: torch.nn.Module, rows: list[list[int]], max_new_tokens: int, eos: int | None,
-                         pad: int, temperature: float, top_p: float, seed: int,
+                         pad: int | None, temperature: float, top_p: float, seed: int,
                          on_step: Callable[[int], None] | None = None) -> list[list[int]]:
     """Sample up to `max_new_tokens` tokens after each prompt in `rows` (token ids, at least one each).
 
-    Returns each row's new tokens, up to and with its first `eos`. `pad` fills the left of shorter
-    prompts (masked out). `on_step(new tokens made so far in all rows)` is called after each step (for
-    progress lines). Seeded by `seed` alone: the same call gives the same tokens."""
+    Returns each row's new tokens, up to and with its first `eos`; with `eos` None (a tokenizer without
+    EOS) nothing ends a row but `max_new_tokens`. `pad` fills the left of shorter prompts (masked out;
+    None: id 0). `on_step(new tokens made so far in all rows)` is called after each step (for progress
+    lines). Seeded by `seed` alone: the same call gives the same tokens. Refused (UsageError) where the
+    longest prompt + `max_new_tokens` exceed the model's max_position_embeddings."""
     device = next(model.parameters()).device
     width = max(len(r) for r in rows)
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context and width + max_new_tokens > context:  # positions it was never trained on: cap, do not extrapolate
+        raise UsageError(f"a prompt of {width} tokens + {max_new_tokens} new tokens needs {width + max_new_tokens} "
+                         f"positions; the model has {context} (max_position_embeddings): ask for at most "
+                         f"{max(context - width, 0)} new tokens")
+    pad = 0 if pad is None else pad
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     total = width + max_new_tokens

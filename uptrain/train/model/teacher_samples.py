@@ -6,11 +6,13 @@ temperature / top_p, seeded, from BOS or from short prompts) into
 they are then packed and trained on like file data, with distillation from the same teacher.
 
 Written atomically (a temporary folder renamed into place, with meta.json saying what was
-generated), and reused as long as meta.json matches the config: a resumed run trains on exactly
-the samples the interrupted one did. While they are generated, each batch is written as it is
-made (`run_dir/.partial-teacher_samples/chunks/`, seeded by its index): a run stopped during the
-generation continues it where it stopped, with the samples an uninterrupted generation makes. Under several processes the main process generates and the
-others wait for it (then all read the same file).
+generated), and reused as long as meta.json's key (`_identity`: the teacher's files and tokenizer by
+content, the settings, the code) matches: a resumed run trains on exactly the samples the interrupted
+one did, and another model at the same path makes its own. While they are generated, each batch is
+written as it is made (`run_dir/.partial-teacher_samples/chunks/`, seeded by its index, under the same
+key): a run stopped during the generation continues it where it stopped, with the samples an
+uninterrupted generation makes. Under several processes the main process generates and the others
+wait for it (then all read the same file).
 """
 
 from __future__ import annotations
@@ -20,16 +22,20 @@ import json
 import os
 import random
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from uptrain.convert.progress import print_line, progress_every
 from uptrain.data import DataSource, TeacherSamples
+from uptrain.errors import UsageError
+from uptrain.fingerprint import file_digest, folder_fingerprint
 from uptrain.train.config import TrainConfig
 from uptrain.train.model.sampling import sample_continuations, timed_progress
 
@@ -38,25 +44,46 @@ SAMPLES = "samples.jsonl"
 META = "meta.json"
 
 
-def _identity(teacher: object, ts: TeacherSamples) -> dict:
-    """What identifies a set of samples: the teacher, every generation setting, the seeding scheme."""
-    return {"teacher": str(teacher), **dataclasses.asdict(ts), "seeding": "per batch", "sampler": 3}
-    # batches seeded by their index alone; sampler 3: the static-cache sampler of uptrain.train.model.sampling
-    # with the decode cache of uptrain.train.model.decode_cache (samples of earlier versions may differ)
+DIGESTS = "digests.json"  # file digests by size and mtime (`file_digest`): a rerun reads only changed files
 
 
-def _wanted(config: TrainConfig) -> dict:
-    """The identity of a run's samples (`_identity` of distill.teacher and data.train.teacher_samples)."""
-    return _identity(config.distill.teacher, config.data.train.teacher_samples)
+def _identity(teacher_dir: Path, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples, digests: dict) -> dict:
+    """What identifies a set of samples, by content as kept conversion layers and a sweep's points are (another
+    model at the same path is another teacher): every file of the teacher's folder (weights, config, tokenizer
+    files: `folder_fingerprint`), the tokenizer that encodes the prompts and decodes the samples (the files it
+    saves), the prompts file's text, every generation setting, the seeding scheme, uptrain's code and the
+    torch / transformers versions. `digests` (path -> [size, mtime_ns, sha256]; updated here) spares re-reading
+    a file whose size and modification time are unchanged (a 7B teacher's 14 GB: ~7 s at 2 GB/s)."""
+    from uptrain import code_fingerprint
+
+    with tempfile.TemporaryDirectory() as saved:
+        tokenizer.save_pretrained(saved)
+        vocabulary = folder_fingerprint(Path(saved), {})
+    return {"teacher": folder_fingerprint(Path(teacher_dir), digests), "tokenizer": vocabulary,
+            **dataclasses.asdict(ts), "prompts": None if ts.prompts is None else file_digest(Path(ts.prompts), digests),
+            "seeding": "per batch", "sampler": 4,
+            "code": [code_fingerprint(), torch.__version__, transformers.__version__]}
+    # batches seeded by their index alone; sampler 4: the static-cache sampler of uptrain.train.model.sampling
+    # with the decode cache of uptrain.train.model.decode_cache, the last batch sized to the tokens left
 
 
-def _open_partial(partial: Path, wanted: dict) -> ChunkStore:
-    """The chunks kept in `partial` by a stopped generation of these settings (`wanted`); a folder of
-    other settings is cleared first."""
+def _key(teacher_dir: Path, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples, *kept: Path) -> tuple[dict, dict]:
+    """(`_identity`, the digests it used): the digests kept in the folders `kept` are taken where still valid."""
+    digests: dict = {}
+    for folder in kept:
+        found = _read_json(folder / DIGESTS)
+        digests.update(found if isinstance(found, dict) else {})
+    return _identity(teacher_dir, tokenizer, ts, digests), digests
+
+
+def _open_partial(partial: Path, wanted: dict, digests: dict) -> ChunkStore:
+    """The chunks kept in `partial` by a stopped generation of this key (`wanted`); a folder of another
+    key (other settings, another teacher at the same path) is cleared first."""
     if _read_json(partial / META) != wanted:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         (partial / META).write_text(json.dumps(wanted))
+    (partial / DIGESTS).write_text(json.dumps(digests))
     return ChunkStore(partial / "chunks")
 
 
@@ -94,6 +121,7 @@ class ChunkStore:
     def __init__(self, folder: Path):
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
+        self.made = {"tokens": 0, "documents": 0}  # in the batches written by this process (its rate)
 
     def _path(self, index: int) -> Path:
         return self.folder / f"chunk-{index:06d}.json"
@@ -109,6 +137,8 @@ class ChunkStore:
         tmp = self.folder / f".tmp-{self._path(index).name}"
         tmp.write_text(json.dumps({"rows": rows}))
         os.replace(tmp, self._path(index))
+        self.made["tokens"] += sum(row["new_tokens"] for row in rows)
+        self.made["documents"] += sum(len(row["texts"]) for row in rows)
 
     def count(self) -> int:
         """How many batches from index 0 on are written (a restart continues after them)."""
@@ -122,18 +152,24 @@ def _generate_batch(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
                     index: int, prompts: list[str], batch: int, on_step=None) -> list[dict]:
     """Batch `index`: `batch` sampled rows, each {"texts": its documents, "new_tokens": n}.
 
-    Seeded by (ts.seed, index) alone, prompts drawn included: batch k is the same whether or not
-    the batches before it were generated in this process (uptrain.train.model.sampling)."""
+    Seeded by (ts.seed, index) and `batch` alone, prompts drawn included: batch k is the same whether or
+    not the batches before it were generated in this process (uptrain.train.model.sampling). A row ends at
+    the tokenizer's EOS or at its new-token cap (`new_tokens_cap`); a tokenizer without EOS (a BOS only, as
+    llama2.c's) ends every row at the cap, and the documents inside a row are split at each BOS."""
     eos = tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    pad = next((t for t in (eos, tokenizer.pad_token_id, start) if t is not None), 0)  # masked out: any id serves
     seed = ts.seed * 1_000_003 + index
     if prompts:
         pick = random.Random(seed)
         rows = [tokenizer(pick.choice(prompts), add_special_tokens=True)["input_ids"] for _ in range(batch)]
+    elif start is None:
+        raise UsageError("the teacher's tokenizer has neither a BOS nor an EOS token to start a document from; "
+                         "give data.train.teacher_samples.prompts")
     else:
         rows = [[start]] * batch
     width = max(len(r) for r in rows)
-    news = sample_continuations(model, rows, new_tokens_cap(model, ts, width), eos, eos, ts.temperature, ts.top_p,
+    news = sample_continuations(model, rows, new_tokens_cap(model, ts, width), eos, pad, ts.temperature, ts.top_p,
                                 seed, on_step)
     made = []
     for prompt, new in zip(rows, news):
@@ -145,9 +181,25 @@ def _generate_batch(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     return made
 
 
+def _read_prompts(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples) -> list[str]:
+    """The prompts file's non-empty lines; refused in one line when one of them leaves no room for a new
+    token in the teacher's positions (shorter prompts are fine: their new tokens are capped)."""
+    if not ts.prompts:
+        return []
+    prompts = [line.strip() for line in Path(ts.prompts).read_text().splitlines() if line.strip()]
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max((len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts), default=0)
+    if context and longest >= context:
+        raise UsageError(f"data.train.teacher_samples.prompts: a prompt of {longest} tokens leaves no room in the "
+                         f"teacher's {context} positions (max_position_embeddings); shorten it")
+    return prompts
+
+
 def new_tokens_cap(model: torch.nn.Module, ts: TeacherSamples, prompt_width: int) -> int:
     """ts.max_new_tokens, capped so that prompt + sample stay within the model's positions (a model
-    sampled past its max_position_embeddings writes text it was never trained to write)."""
+    sampled past its max_position_embeddings writes text it was never trained to write). The prompt
+    counts: a batch whose longest prompt is 30 tokens gets at most 34 new on a 64-position teacher
+    (`_read_prompts` refuses a prompt that leaves no room at all)."""
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return ts.max_new_tokens if not context else max(1, min(ts.max_new_tokens, context - prompt_width))
 
@@ -180,15 +232,17 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
                        write: Callable[[str], None] | None = None) -> tuple[list[str], int]:
     """Sample documents from `model` until `ts.tokens` new tokens; return (texts, new tokens).
 
+    Each batch has `batch_rows` rows, the last ones no more than the tokens still wanted need at the
+    longest document (`new_tokens_cap`): at most one document's length is sampled past `ts.tokens`.
     With `chunks`, batches already written there are read instead of generated, and each new one
-    is written as soon as it is made (a stop signal loses at most the batch in progress). With
-    `write`, a progress line at most every UPTRAIN_PROGRESS_EVERY (10) s: tokens, rate, time left."""
+    is written as soon as it is made (a stop signal loses at most the batch in progress;
+    `chunks.made` counts what this process made, for its rate). With `write`, a progress line at most
+    every UPTRAIN_PROGRESS_EVERY (10) s: tokens, rate (of the tokens made here), time left."""
     del device  # the model's own device (kept in the signature: callers name it)
-    prompts = []
-    if ts.prompts:
-        prompts = [line.strip() for line in Path(ts.prompts).read_text().splitlines() if line.strip()]
+    prompts = _read_prompts(model, tokenizer, ts)
     first = chunks.read(0) if chunks is not None else None
     batch = len(first) if first else batch_rows(model, ts)  # a continued run keeps the rows it began with
+    longest = new_tokens_cap(model, ts, 1)  # a row's most new tokens (fewer after a longer prompt or an EOS)
     texts, n_tokens, index, made = [], 0, 0, 0
     report = None
     while n_tokens < ts.tokens:
@@ -197,7 +251,9 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
             if write is not None and report is None:  # the clock starts at the first batch generated here
                 report = timed_progress(write, ts.tokens, progress_every(), done_before=n_tokens)
             base = made
-            rows = _generate_batch(model, tokenizer, ts, index, prompts, batch,
+            # rows for the tokens left only (a continued run sizes them alike: they depend on the kept batches)
+            size = min(batch, -(-(ts.tokens - n_tokens) // longest))
+            rows = _generate_batch(model, tokenizer, ts, index, prompts, size,
                                    None if report is None else (lambda k: report(base + k)))
             made += sum(row["new_tokens"] for row in rows)
             if chunks is not None:
@@ -213,22 +269,23 @@ def generate_documents(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBas
 
 def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator,
                            teacher_dir: Path) -> tuple[DataSource, str]:
-    """The run's teacher samples as a file data source (generated now unless already written),
-    and a line for the plan: documents, tokens, generation speed. `teacher_dir`: the folder of
-    distill.teacher (a Hub id resolved to its cache)."""
+    """The run's teacher samples as a file data source (generated now unless already written for this
+    key, `_identity`), and a line for the plan: documents, tokens, generation speed (of the tokens made
+    in this process: a continued generation does not count its kept batches). `teacher_dir`: the folder
+    of distill.teacher (a Hub id resolved to its cache)."""
     ts = config.data.train.teacher_samples
     folder = Path(config.run_dir) / FOLDER
-    wanted = _wanted(config)
     reused = True
     if accelerator.is_main_process:
+        partial = folder.parent / f".partial-{FOLDER}"  # the chunks so far, of this key only
+        wanted, digests = _key(teacher_dir, tokenizer, ts, folder, partial)
         meta = _read_meta(folder)
         if meta is None or meta.get("config") != wanted:
             reused = False
             dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
             teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).to(accelerator.device)
             teacher.eval()
-            partial = folder.parent / f".partial-{FOLDER}"  # the chunks so far, of these settings only
-            chunks = _open_partial(partial, wanted)
+            chunks = _open_partial(partial, wanted, digests)
             resumed_from = chunks.count()
             t0 = time.time()
             print(f"teacher samples: generating {ts.tokens:,} tokens, {batch_rows(teacher, ts):,} sequences at a time "
@@ -236,21 +293,14 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
             texts, n_tokens = generate_documents(teacher, tokenizer, ts, accelerator.device, chunks, print_line)
             seconds = max(time.time() - t0, 1e-9)
             teacher_config = teacher.config.get_text_config()
-            tmp = folder.parent / f".tmp-{FOLDER}"
-            shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash while writing
-            tmp.mkdir(parents=True)
-            with open(tmp / SAMPLES, "w") as f:
-                for text in texts:
-                    f.write(json.dumps({"text": text}) + "\n")
             meta = {"config": wanted, "documents": len(texts), "tokens": n_tokens, "seconds": seconds,
-                    "samples_per_s": len(texts) / seconds, "tokens_per_s": n_tokens / seconds,
+                    "tokens_made": chunks.made["tokens"], "samples_per_s": chunks.made["documents"] / seconds,
+                    "tokens_per_s": chunks.made["tokens"] / seconds,
                     "device": str(accelerator.device), "batches_reused": resumed_from, "rows": batch_rows(teacher, ts),
                     "context": getattr(teacher_config, "max_position_embeddings", None),
                     "capped": new_tokens_cap(teacher, ts, 1) < ts.max_new_tokens}
             del teacher
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-            shutil.rmtree(folder, ignore_errors=True)  # samples of other settings
-            tmp.rename(folder)
+            _put_in_place(folder, texts, meta, digests)
             shutil.rmtree(partial, ignore_errors=True)  # all of it is in samples.jsonl now
     accelerator.wait_for_everyone()  # the others wait for the main process's samples
     meta = _read_meta(folder)
@@ -262,18 +312,34 @@ def ensure_teacher_samples(config: TrainConfig, tokenizer: PreTrainedTokenizerBa
     return DataSource(files=[str(folder / SAMPLES)]), line
 
 
+def _put_in_place(folder: Path, texts: list[str], meta: dict, digests: dict) -> None:
+    """`folder` holding SAMPLES (one {"text": ...} per document), META and DIGESTS, written under a
+    temporary name and renamed into place (samples of another key there are replaced)."""
+    tmp = folder.parent / f".tmp-{folder.name}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash while writing
+    tmp.mkdir(parents=True)
+    with open(tmp / SAMPLES, "w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    (tmp / DIGESTS).write_text(json.dumps(digests))
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
 def teacher_text_file(teacher_dir: Path, ts: TeacherSamples, out_file: Path, partial: Path, device: torch.device,
                       write: Callable[[str], None] = print_line) -> dict:
     """The teacher's own text without a training run (`uptrain.demo --teacher-samples N`): sample
     `ts.tokens` tokens from the model in `teacher_dir` into `out_file` (.jsonl, one {"text": ...} per
     document), written whole (a temporary file renamed into place). Batches are kept in `partial` as
-    they are made (removed at the end): a stopped run's rerun continues there. Returns what was made
-    (documents, tokens, seconds, tokens_per_s, rows)."""
+    they are made (removed at the end), under the key of `_identity` (the teacher's files by content): a
+    stopped run's rerun with the same teacher continues there. Returns what was made (documents, tokens,
+    seconds, tokens_made: made in this process, tokens_per_s: their rate, rows, batches_reused)."""
     from transformers import AutoTokenizer
 
-    chunks = _open_partial(partial, _identity(teacher_dir, ts))
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    chunks = _open_partial(partial, *_key(teacher_dir, tokenizer, ts, partial))
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(device).eval()
     kept, rows = chunks.count(), batch_rows(teacher, ts)
     write(f"teacher samples: generating {ts.tokens:,} tokens, {rows:,} sequences at a time on {device}"
           + (f"; {kept} batches kept from a stopped run ({partial})" if kept else ""))
@@ -285,5 +351,5 @@ def teacher_text_file(teacher_dir: Path, ts: TeacherSamples, out_file: Path, par
     tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     os.replace(tmp, out_file)
     shutil.rmtree(partial, ignore_errors=True)
-    return {"documents": len(texts), "tokens": n_tokens, "seconds": seconds, "tokens_per_s": n_tokens / seconds,
-            "rows": rows, "batches_reused": kept}
+    return {"documents": len(texts), "tokens": n_tokens, "seconds": seconds, "tokens_made": chunks.made["tokens"],
+            "tokens_per_s": chunks.made["tokens"] / seconds, "rows": rows, "batches_reused": kept}

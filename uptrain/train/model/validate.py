@@ -73,3 +73,11 @@ def _against(logits: torch.Tensor, teacher_logits: torch.Tensor) -> list[torch.T
     (logits [batch, seq, vocab]; the last position has no target, as in the loss)."""
     agreed = (logits[:, :-1].argmax(-1) == teacher_logits[:, :-1].argmax(-1)).sum()
     return [kd_loss_sum(logits, teacher_logits, 1.0), agreed]
+
+
+def validation_line(step: int, record: dict) -> str:
+    """The line every validation prints (the step-0 one, each `eval.every`, the final one):
+    `step N: val loss L, ppl P`, with a teacher also its KL and top-1 agreement."""
+    against = (f"; against the teacher: KL {record['val_kl_to_teacher']:.4f} nats/token, top-1 agreement "
+               f"{record['val_top1_agreement']:.1%}" if "val_kl_to_teacher" in record else "")
+    return f"step {step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}{against}"

@@ -1,34 +1,7 @@
-"""`python -m uptrain.demo`: the whole job on the embedded tiny model, end to end on CPU.
-
-Converts the real pretrained stories260K Llama in MHA form (8 K/V heads, `examples/`) to 2 K/V
-heads (by default with `--method fit` calibrated on the training sample, then layer-wise
-reconstruction of each attention layer, `--refine`; `--method mean --refine-steps 0` is the
-paper's pooling), uptrains it on TinyStories text with `configs/demo-cpu.yaml` (by default
-distilling from the MHA source), and prints the held-out loss before conversion, after
-conversion and after uptraining, with the KV cache.
-
-Your own model and text, same steps and table:
-
-    python -m uptrain.demo --model DIR_OR_HUB_ID --data FILE [--kv-heads N] [optim.lr=X budget.tokens=N]
-
-FILE is read as the trainer reads it (.txt: a blank line between documents; .jsonl/.json/.parquet:
-a `text` field); its last tenth of documents is held out for the table (or `--valid FILE`), the
-rest is the training text (also the calibration text of `--method fit`). `--kv-heads` defaults
-to a quarter of the model's K/V heads. The peak learning rate defaults to 1e-4, 1/3 of a common
-pre-training peak (3e-4); the recipe study found 1/3 of the model's own peak best: pass
-`optim.lr=` from its model card, or measure with `scripts/lr_sweep.py`.
-"""
+"""The demo's command: its arguments, its steps (samples, conversion, uptraining), each kept for a
+rerun (`record.py`), and its table. What it does: the package's doc (`uptrain/demo/__init__.py`)."""
 
 from __future__ import annotations
-
-AS_IT_WAS = ("the folder being written was removed; --out keeps the steps finished before (the next demo into "
-             "it replaces them, all but a conversion's finished layers)")
-from uptrain.stopping import is_command
-
-if is_command(__name__, "uptrain-demo"):  # first act: Ctrl-C / SIGTERM during the imports below end the demo cleanly too
-    from uptrain.stopping import at_once
-
-    at_once.install("uptrain.demo", AS_IT_WAS)
 
 import json
 from pathlib import Path
@@ -37,26 +10,22 @@ import torch
 
 from uptrain.stopping import at_once
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
-from uptrain.convert import convert
 from uptrain.convert.registry.choices import GROUPINGS, METHODS
-from uptrain.convert.io.hfconfig import model_shape, source_family, stored_kv_bytes_per_token
-from uptrain.convert.options import DEFAULT_REFINE_STEPS
+from uptrain.convert.io.hfconfig import model_shape, source_family
 from uptrain.convert.pipeline import check_kv_heads
 from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
+from uptrain.demo import AS_IT_WAS, __doc__ as DEMO_DOC
+from uptrain.demo.record import DemoRecord, demo_key
+from uptrain.demo.steps import (  # noqa: F401 (the demo's paths and defaults: public here too)
+    CONFIG, EXAMPLES, OWN_MODEL_LR, REFINE_STEPS, REPO, TRAIN, VALID, _shown, check_first, convert_step, samples_step,
+    say_repeats, uptrain_step)
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.measure.kv_cache import FORMATS, KVFormat, check_paths, kv_format
 from uptrain.units import kv_cache_bytes_per_token
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-CONFIG = REPO / "configs" / "demo-cpu.yaml"
-VALID = EXAMPLES / "data" / "tinystories-valid-sample.txt"
-TRAIN = EXAMPLES / "data" / "tinystories-train-sample.txt"
-REFINE_STEPS = DEFAULT_REFINE_STEPS  # the converter's --refine-steps default
-OWN_MODEL_LR = 1e-4  # 1/3 of 3e-4, a common pre-training peak; configs/demo-cpu.yaml's 1e-3 is tuned to stories260K
 HELD_OUT_SHARE = 0.1  # of --data's documents, when no --valid
 BUNDLED_TASKS = "stories_cloze,stories_ending,stories_name"  # TinyStories tasks (uptrain/measure/task_data/); the last generates
 
@@ -71,14 +40,6 @@ def held_out_loss(model_dir: Path, texts: list[str], max_length: int | None = No
     shape = model_shape(model.config)  # the registry's K/V head field, as convert and train read it
     kv = kv_cache_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, model.dtype.itemsize)
     return result.loss, result.perplexity, kv
-
-
-def _shown(path: Path) -> str:
-    """`path` relative to the repository when inside it (as the README shows it), else as given."""
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 def default_kv_heads(heads: int, kv: int) -> int:
@@ -132,7 +93,7 @@ def write_split(texts: list[str], out: Path) -> tuple[Path, Path]:
 
 
 def _parser() -> ArgParser:
-    p = ArgParser(prog=prog_name("uptrain.demo"), description=__doc__.splitlines()[0])
+    p = ArgParser(prog=prog_name("uptrain.demo"), description=DEMO_DOC.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the demo writes (an earlier demo's "
                    "folder there is replaced whole; any other folder is refused)")
     p.add_argument("--model", help="your own model to convert: a local folder or a Hub id (default: the embedded "
@@ -205,10 +166,17 @@ def _demo(argv: list[str] | None) -> int:
     if args.data is not None and args.teacher_samples:
         raise UsageError("give --data (your text) or --teacher-samples N (the source writes the text), not both")
     own_texts = split_documents_of(args.data) if args.data is not None else None
-    prepare_out(args.out)
+    budget = check_first(args, source, threads)  # --valid, the uptraining's overrides: before any sample is drawn
+    record = DemoRecord(args.out, demo_key(args, source, [p for p in (args.data, args.valid, TRAIN, VALID) if p],
+                                           CONFIG, {}))
+    kept = record.prepare()
     announce_threads()
+    if kept:
+        print(f"== {args.out} holds this same demo's finished steps ({', '.join(kept)}: the same code, model, texts and "
+              "options): kept; the rest follows", flush=True)
     if args.teacher_samples:
-        own_texts = samples_step(args, source)
+        say_repeats(args.teacher_samples, budget)
+        own_texts = samples_step(args, source, record)
     if args.teacher_samples and (args.valid or args.model is None):  # held-out text from elsewhere: train on all
         train_text = args.out / "data" / "samples.jsonl"
     elif own_texts is not None:
@@ -220,16 +188,16 @@ def _demo(argv: list[str] | None) -> int:
               flush=True)
     torch.manual_seed(0)
 
-    converted, method = convert_step(args, source, name, kv_heads, train_text)
+    converted, method = convert_step(args, source, name, kv_heads, train_text, record)
     kind = "MHA" if kv_before == heads else "GQA"
     models = [(f"{kind} source ({kv_before} K/V heads)", source), (f"GQA-{kv_heads}, converted ({method})", converted)]
     if not args.skip_uptrain:
-        uptrained = uptrain_step(args, source, converted, train_text, valid_path, threads)
+        uptrained = uptrain_step(args, source, converted, train_text, valid_path, threads, record)
         kd = f", distilled alpha_kd {args.alpha_kd}" if args.alpha_kd > 0 else ""
         models.append((f"GQA-{kv_heads}, uptrained{kd}", uptrained))
     shown = _shown(args.data) + ", its last tenth" if args.data and not args.valid else _shown(valid_path)
-    report(models, valid, f"{shown} ({len(valid)} {'stories' if args.data is None else 'documents'}",
-           max_length, stride, cache)
+    stories = args.data is None and not (args.teacher_samples and valid_path != VALID)  # the shipped stories
+    report(models, valid, f"{shown} ({len(valid)} {'stories' if stories else 'documents'}", max_length, stride, cache)
     if tasks != "none":
         from uptrain.measure.tasks import parse_task_names, print_demo_scores
 
@@ -240,84 +208,6 @@ def _demo(argv: list[str] | None) -> int:
               "name tasks that fit it with --tasks, e.g. --tasks hellaswag,arc_easy with their data in the "
               "datasets cache: docs/measure.md)")
     return 0
-
-
-def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path) -> tuple[Path, str]:
-    """Convert `source` into OUT/NAME-gqaK as the arguments say, with uptrain.convert's own rule for
-    which conversions read the calibration text (`ConversionOptions`: also --grouping similar); (folder,
-    method shown in the table). A line per refined layer, with the time left (convert's progress line)."""
-    from uptrain.convert.options import ConversionOptions
-    from uptrain.convert.progress import layer_progress, print_line
-
-    calib = train_text if args.calib_tokens > 0 else None  # --calib-tokens 0: weights only
-    options = ConversionOptions(method=args.method, grouping=args.grouping, calib=calib,
-                                calib_tokens=max(args.calib_tokens, 1),
-                                refine=calib is not None and args.refine_steps > 0 and args.method != "random",
-                                refine_steps=max(args.refine_steps, 1))
-    layers = model_shape(read_config(source)).layers
-    calibration, refine = options.calibration(), options.refine_settings(log=layer_progress(layers, print_line, "   "))
-    how = args.method + (f", {args.grouping} grouping" if args.grouping != "contiguous" else "")
-    how += f", calibrated on {args.calib_tokens:,} tokens of {train_text.name}" if calibration else ""
-    how += f", refined (at most {args.refine_steps} steps per layer)" if refine else ""
-    converted = args.out / f"{name}-gqa{kv_heads}"
-    print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})", flush=True)
-    if calibration is not None and calibration.record.get("warning"):
-        print(f"   warning: {calibration.record['warning']}", flush=True)
-    plan = convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
-                   grouping=args.grouping, refine=refine)
-    if calibration is not None and calibration.record.get("near_chance"):
-        print(f"   warning: {calibration.record['near_chance']}", flush=True)
-    for note in plan.notes:
-        if note.startswith("continues an interrupted conversion"):
-            print(f"   {note}", flush=True)
-    at_once.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
-    return converted, args.method + (" + refine" if refine else "")
-
-
-def samples_step(args, source: Path) -> list[str]:
-    """The source's own text (--teacher-samples N): N tokens sampled into OUT/data/samples.jsonl, with a
-    progress line every ~10 s; a stopped run's batches are kept beside --out (`.OUT.teacher-samples`)
-    and the same command continues from them. Returns the documents."""
-    from uptrain.convert.progress import print_line
-    from uptrain.data import TeacherSamples
-    from uptrain.train.model.teacher_samples import teacher_text_file
-
-    out_file = args.out / "data" / "samples.jsonl"
-    partial = args.out.parent / f".{args.out.name}.teacher-samples"
-    print(f"== the source writes {args.teacher_samples:,} tokens of training text into {out_file}", flush=True)
-    made = teacher_text_file(source, TeacherSamples(tokens=args.teacher_samples), out_file, partial,
-                             torch.device("cpu"), print_line)
-    print(f"   {made['documents']:,} documents, {made['tokens']:,} tokens in {made['seconds']:.0f} s "
-          f"({made['tokens_per_s']:,.0f} tokens/s)", flush=True)
-    texts = read_documents(DataSource(files=[str(out_file)]))
-    if len(texts) < 2 and not args.valid and args.model is not None:
-        raise UsageError(f"--teacher-samples {args.teacher_samples:,} made {len(texts)} document; the demo holds out "
-                         "the last tenth for scoring: ask for more tokens or give --valid FILE")
-    return texts
-
-
-def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int) -> Path:
-    """Uptrain `converted` with configs/demo-cpu.yaml (distilling from `source`); the model folder."""
-    from uptrain.train import train
-    from uptrain.train.config import load_config
-
-    run_dir = args.out / "uptrain"
-    print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}", flush=True)
-    distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
-    own_lr = []
-    if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides):
-        own_lr = [f"optim.lr={OWN_MODEL_LR}"]
-        print(f"   peak lr {OWN_MODEL_LR:g}: 1/3 of 3e-4, a common pre-training peak; better 1/3 of your "
-              "model's own (model card), or measure: scripts/lr_sweep.py; set it with optim.lr=X")
-    config = load_config(CONFIG, [f"model={converted}", f"run_dir={run_dir}", "overwrite=true",
-                                  f"data.train.files=[{train_text}]", f"data.val.files=[{valid_path}]",
-                                  *distill, *own_lr, f"threads={threads}", *args.overrides])
-    try:
-        train(config)
-    except BaseException as err:  # train() handles stop signals itself while it runs: its stop ends the demo
-        at_once.end_after_training_stop(err)
-        raise
-    return run_dir / "model"
 
 
 def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_length: int, stride: int,
@@ -356,33 +246,3 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
               "context cut at block edges; this table scores each document whole: the two differ, this one "
               "is the number to compare models with. docs/layout.md, 'Two validation numbers'.)")
 
-
-DEMO_MARK = ".uptrain-demo"  # in a folder the demo made: only such a folder is replaced by --out
-
-
-def prepare_out(out: Path) -> None:
-    """Make `out` an empty folder for this demo: an earlier demo's folder is emptied (its old files
-    would mix with the new ones), except the finished layers a stopped conversion kept there
-    (`.NAME.layers-KEY`: the same command continues from them, as its stop line says; other
-    arguments give another KEY); any other non-empty folder is refused in one line."""
-    import shutil
-
-    from uptrain.convert.io.output_dir import check_writable
-
-    check_writable(out, "--out")
-    if out.exists() and any(out.iterdir()):
-        if not (out / DEMO_MARK).is_file():
-            raise UsageError(f"--out {out} is a non-empty folder the demo did not make; give another --out "
-                             "(the demo replaces only its own folders)")
-        for entry in out.iterdir():
-            if not (entry.is_dir() and entry.name.startswith(".") and ".layers-" in entry.name):
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / DEMO_MARK).write_text("made by python -m uptrain.demo; replaced whole by the next demo into it\n")
-
-
-if __name__ == "__main__":
-    main()

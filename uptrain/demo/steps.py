@@ -1,0 +1,185 @@
+"""The demo's steps, each kept for a rerun of the same demo (`record.py`) and each saying what a stop
+keeps: the checks made before any work (`check_first`), the source's samples, the conversion and
+the uptraining (resumed from the stopped run's checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from uptrain.convert import convert
+from uptrain.convert.io.hfconfig import model_shape
+from uptrain.convert.io.source import read_config
+from uptrain.convert.options import DEFAULT_REFINE_STEPS
+from uptrain.data import DataSource, read_documents
+from uptrain.demo.record import DemoRecord, checkpoints
+from uptrain.errors import UsageError
+from uptrain.stopping import at_once
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+CONFIG = REPO / "configs" / "demo-cpu.yaml"
+VALID = EXAMPLES / "data" / "tinystories-valid-sample.txt"
+TRAIN = EXAMPLES / "data" / "tinystories-train-sample.txt"
+REFINE_STEPS = DEFAULT_REFINE_STEPS  # the converter's --refine-steps default
+OWN_MODEL_LR = 1e-4  # 1/3 of 3e-4, a common pre-training peak; configs/demo-cpu.yaml's 1e-3 is tuned to stories260K
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when inside it (as the README shows it), else as given."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def convert_step(args, source: Path, name: str, kv_heads: int, train_text: Path, record: DemoRecord
+                 ) -> tuple[Path, str]:
+    """Convert `source` into OUT/NAME-gqaK as the arguments say, with uptrain.convert's own rule for
+    which conversions read the calibration text (`ConversionOptions`: also --grouping similar); (folder,
+    method shown in the table). A line per refined layer, with the time left (convert's progress line).
+    Kept from a stopped run of the same demo (`record`) when that run finished it."""
+    from uptrain.convert.options import ConversionOptions
+    from uptrain.convert.progress import layer_progress, print_line
+
+    calib = train_text if args.calib_tokens > 0 else None  # --calib-tokens 0: weights only
+    options = ConversionOptions(method=args.method, grouping=args.grouping, calib=calib,
+                                calib_tokens=max(args.calib_tokens, 1),
+                                refine=calib is not None and args.refine_steps > 0 and args.method != "random",
+                                refine_steps=max(args.refine_steps, 1))
+    layers = model_shape(read_config(source)).layers
+    calibration, refine = options.calibration(), options.refine_settings(log=layer_progress(layers, print_line, "   "))
+    how = args.method + (f", {args.grouping} grouping" if args.grouping != "contiguous" else "")
+    how += f", calibrated on up to {args.calib_tokens:,} tokens of {train_text.name}" if calibration else ""
+    how += f", refined (at most {args.refine_steps} steps per layer)" if refine else ""
+    converted = args.out / f"{name}-gqa{kv_heads}"
+    method = args.method + (" + refine" if refine else "")
+    if record.done("convert") and (converted / "config.json").is_file():
+        print(f"== convert {_shown(source)} to {kv_heads} K/V heads: kept from the earlier run ({converted})",
+              flush=True)
+        return converted, method
+    _keeps(args, "the conversion's finished layers, if any (below); the same command continues from them",
+           record)
+    print(f"== convert {_shown(source)} to {kv_heads} K/V heads ({how})", flush=True)
+    if calibration is not None and calibration.record.get("warning"):
+        print(f"   warning: {calibration.record['warning']}", flush=True)
+    plan = convert(str(source), converted, kv_heads, args.method, force=True, calibration=calibration,
+                   grouping=args.grouping, refine=refine)
+    if calibration is not None and calibration.record.get("near_chance"):
+        print(f"   warning: {calibration.record['near_chance']}", flush=True)
+    if calibration is not None:
+        from uptrain.convert.layers.calibrate import shortfall_warning
+
+        short = shortfall_warning(calibration.record)
+        print(f"   {short or 'calibrated on ' + format(calibration.record['tokens_used'], ',') + ' tokens'}", flush=True)
+    for note in plan.notes:
+        if note.startswith("continues an interrupted conversion"):
+            print(f"   {note}", flush=True)
+    at_once.written(None)  # the demo goes on: a later stop is not "after the folder was put in place"
+    record.finish("convert")
+    return converted, method
+
+
+def _keeps(args, now: str, record: DemoRecord) -> None:
+    """The stop line from here on: what --out keeps (the finished steps and `now`) and what a rerun does."""
+    finished = ", ".join(record.steps) or "no finished step yet"
+    at_once.install("uptrain.demo", f"--out {args.out} keeps: {finished}; {now}")
+
+
+def samples_step(args, source: Path, record: DemoRecord) -> list[str]:
+    """The source's own text (--teacher-samples N): N tokens sampled into OUT/data/samples.jsonl, with a
+    progress line every ~10 s; a stopped run's batches are kept beside --out (`.OUT.teacher-samples`)
+    and the same command continues from them. Returns the documents."""
+    from uptrain.convert.progress import print_line
+    from uptrain.data import TeacherSamples
+    from uptrain.train.model.teacher_samples import teacher_text_file
+
+    out_file = args.out / "data" / "samples.jsonl"
+    partial = args.out.parent / f".{args.out.name}.teacher-samples"
+    if record.done("samples") and out_file.is_file():
+        print(f"== the source's samples: kept from the earlier run ({out_file})", flush=True)
+    else:
+        _keeps(args, f"the sample batches made so far, in {partial}; the same command continues from them", record)
+        at_once.leaving(lambda: _batches(partial))
+        print(f"== the source writes {args.teacher_samples:,} tokens of training text into {out_file}", flush=True)
+        made = teacher_text_file(source, TeacherSamples(tokens=args.teacher_samples), out_file, partial,
+                                 torch.device("cpu"), print_line)
+        at_once.leaving(None)
+        print(f"   {made['documents']:,} documents, {made['tokens']:,} tokens in {made['seconds']:.0f} s "
+              f"({made['tokens_per_s']:,.0f} tokens/s)", flush=True)
+        record.finish("samples")
+    texts = read_documents(DataSource(files=[str(out_file)]))
+    if len(texts) < 2 and not args.valid and args.model is not None:
+        raise UsageError(f"--teacher-samples {args.teacher_samples:,} made {len(texts)} document; the demo holds out "
+                         "the last tenth for scoring: ask for more tokens or give --valid FILE")
+    return texts
+
+
+def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int,
+                      run_dir: Path) -> list[str]:
+    """The key=value overrides of configs/demo-cpu.yaml for this demo (the user's last)."""
+    distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
+    own_lr = [f"optim.lr={OWN_MODEL_LR}"] if args.model is not None and not any(
+        o.startswith("optim.lr=") for o in args.overrides) else []
+    return [f"model={converted}", f"run_dir={run_dir}", "overwrite=true", f"data.train.files=[{train_text}]",
+            f"data.val.files=[{valid_path}]", *distill, *own_lr, f"threads={threads}", *args.overrides]
+
+
+def check_first(args, source: Path, threads: int) -> int:
+    """Every refusal that waits for no sample and no conversion, before the first sample is drawn (on a
+    7B model sampling and converting take hours): `--valid` (missing, empty, not text) and the
+    uptraining's config with the user's overrides (a mistyped key, a bad value), loaded with the shipped
+    texts and the source standing in for what the demo writes later. Returns the budget in tokens."""
+    from uptrain.train.config import load_config
+
+    if args.valid is not None:
+        read_documents(DataSource(files=[str(args.valid)]), None, field_option=None)
+    stand_in = uptrain_overrides(args, source, source, TRAIN, args.valid or VALID, threads, args.out / "uptrain")
+    return load_config(CONFIG, stand_in).budget.total_tokens()
+
+
+def say_repeats(samples: int, budget: int) -> None:
+    """A line when the uptraining's budget trains on the samples more than once (nothing says so later)."""
+    if samples < budget:
+        print(f"note: the uptraining's budget is {budget:,} tokens: the {samples:,} sample tokens are trained on "
+              f"about {budget / samples:.1f} times; --teacher-samples {budget} gives each step fresh text",
+              flush=True)
+
+
+def _batches(partial: Path) -> str:
+    """What a stop during sampling keeps, for its one line: the batches in `partial`."""
+    chunks = sorted((partial / "chunks").glob("*")) if (partial / "chunks").is_dir() else []
+    return f"{len(chunks)} sample batches kept in {partial}" if chunks else ""
+
+
+def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int,
+                 record: DemoRecord) -> Path:
+    """Uptrain `converted` with configs/demo-cpu.yaml (distilling from `source`); the model folder. Kept
+    from a stopped run of the same demo when it finished; resumed from its last checkpoint when it stopped."""
+    from uptrain.train import train
+    from uptrain.train.config import load_config
+
+    run_dir = args.out / "uptrain"
+    if record.done("uptrain") and (run_dir / "model" / "config.json").is_file():
+        print(f"== uptrain: kept from the earlier run ({run_dir / 'model'})", flush=True)
+        return run_dir / "model"
+    resume = checkpoints(run_dir)
+    _keeps(args, f"the uptraining's last checkpoint in {run_dir / 'checkpoints'} (a stop writes one after its "
+           "step); the same command continues from it", record)
+    print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}"
+          + (f": continues from {resume[-1].name} of the stopped run" if resume else ""), flush=True)
+    if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides):
+        print(f"   peak lr {OWN_MODEL_LR:g}: 1/3 of 3e-4, a common pre-training peak; better 1/3 of your "
+              "model's own (model card), or measure: scripts/lr_sweep.py; set it with optim.lr=X")
+    overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir)
+    if resume:  # the stopped run's own state: resumed, not replaced
+        overrides = [o for o in overrides if o != "overwrite=true"] + ["resume=latest"]
+    config = load_config(CONFIG, overrides)
+    try:
+        train(config)
+    except BaseException as err:  # train() handles stop signals itself while it runs: its stop ends the demo
+        at_once.end_after_training_stop(err)
+        raise
+    record.finish("uptrain")
+    return run_dir / "model"
