@@ -32,7 +32,7 @@ SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b")
 COPIED = ("examples", "configs", "results", "scripts")
 # README.md first, then the reference pages; each chain's pages in the order their commands build on each other
 CHAINS = (("README.md", "docs/convert.md", "docs/deploy.md", "docs/own-model.md", "docs/paper.md",
-           "docs/guarantees.md", "docs/layout.md"),
+           "docs/guarantees.md", "docs/layout.md", "docs/hardware.md"),
           ("docs/uptrain.md", "docs/measure.md"))
 PAGES = tuple(page for chain in CHAINS for page in chain)
 
