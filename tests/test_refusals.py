@@ -121,6 +121,35 @@ def test_two_conversions_into_one_folder_one_is_refused(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_two_fit_conversions_into_one_folder_one_is_refused(tmp_path):
+    """As above with `--method fit --calib` (the layer-at-a-time path, which keeps each finished layer
+    beside the output and writes through `pipeline.write_converted`): two runs, calibrated on 1,024 and
+    2,048 tokens, neither with --force. The first is held just before it puts its folder in place
+    while the second runs whole: whichever comes second to that point is refused in one line, exit 2,
+    and the folder is the other's (its record's calibration); no temporary folder is left."""
+    out = tmp_path / "gqa2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit",
+               "--calib", str(TRAIN_TXT), "--threads", "1", "--out", str(out)]
+    held = subprocess.Popen([*command, "--calib-tokens", "1024"], cwd=REPO,
+                            env={**env, "UPTRAIN_TEST_PAUSE_AT": "rename:10"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while held.poll() is None and "paused at rename" not in seen:
+        seen = held.stderr.readline()
+    other = subprocess.run([*command, "--calib-tokens", "2048"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+    err = held.communicate(timeout=300)[1]
+    codes = sorted([held.returncode, other.returncode])
+    assert codes == [0, 2], (held.returncode, err[-2000:], other.returncode, other.stderr[-2000:])
+    refused = err if held.returncode == 2 else other.stderr
+    assert "appeared while this run wrote it" in refused and refused.strip().count("\n") == 0, refused
+    record = json.loads((out / "uptrain_conversion.json").read_text())
+    assert record["method"] == "fit", record
+    assert record["calibration"]["tokens_requested"] == (1024 if held.returncode == 0 else 2048), record["calibration"]
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name or ".complete-" in p.name]
+
+
 @pytest.mark.parametrize("where", ["inside", "link", "itself"])
 def test_a_sweep_into_its_source_is_refused_before_any_work(tmp_path, capsys, where):
     """--out inside the source, a symlink to it, or the source folder: one line, exit 2, as

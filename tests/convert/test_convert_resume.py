@@ -130,6 +130,31 @@ def test_a_rerun_with_other_arguments_starts_again_and_leaves_the_other_layers(t
     assert sorted(tmp_path.iterdir()) == sorted([out, theirs]) and KeptLayers(theirs).indices()[:2] == [0, 1]
 
 
+@pytest.mark.parametrize("change", [["--calib-tokens", "8192"], ["--calib-text-unit", "line"]],
+                         ids=["calib-tokens", "calib-text-unit"])
+def test_a_rerun_with_other_calibration_settings_does_not_take_the_kept_layers(change, tmp_path):
+    """Through the command: a conversion calibrated on 4,096 tokens (paragraphs) stopped once layers 0-1
+    were kept, then rerun with another --calib-tokens or --calib-text-unit, makes every layer again and
+    names the other run's folder. Red when the key is built at its caller (`pipeline.keep_layers`)
+    without the calibration settings: the layers made from 4,096 tokens were taken as made (the key
+    function alone is tested in `test_every_calibration_and_refinement_setting_is_in_the_key`)."""
+    out = tmp_path / "out"
+    stopped = _convert(out, KINDS["similar"], "kept-1")
+    assert stopped.returncode == 143, stopped.stderr
+    [theirs] = tmp_path.glob(".out.layers-*")
+    assert KeptLayers(theirs).indices()[:2] == [0, 1]
+    other = _convert(out, [*KINDS["similar"], *change])  # (a later option wins over BASE's)
+    assert other.returncode == 0, other.stderr
+    text = " ".join(other.stdout.split())
+    assert "continues an interrupted conversion" not in text and "kept from the interrupted run" not in other.stdout
+    assert f"{theirs} holds layers of an interrupted conversion with other arguments" in text
+    assert len(re.findall(r"layer \d+ converted", other.stdout)) == 5, other.stdout  # every layer made again
+    record = json.loads((out / "uptrain_conversion.json").read_text())
+    field = {"--calib-tokens": "tokens_requested", "--calib-text-unit": "text_unit"}[change[0]]
+    assert str(record["calibration"][field]) == change[1], record["calibration"]
+    assert sorted(tmp_path.iterdir()) == sorted([out, theirs]) and KeptLayers(theirs).indices()[:2] == [0, 1]
+
+
 def test_kept_layers_are_whole_files_and_load_as_saved(tmp_path):
     kept = KeptLayers.beside(tmp_path / "out", "abc")
     assert kept.indices() == [] and kept.describe() == "" and not kept.folder.exists()
@@ -195,6 +220,27 @@ def test_the_key_changes_with_every_input_of_the_layers(tmp_path):
     (source / "tokenizer.json").write_text('{"model": 1}')
     changed.append(conversion_key(source, [weights], settings, calib))
     assert len({key, *changed}) == 1 + len(changed)
+
+
+def test_a_same_size_edit_of_the_tokenizer_changes_the_key(tmp_path):
+    """The calibration reads the source's tokenizer: an edit of tokenizer.json that keeps its size (one
+    token's text changed for another of the same length) and its modification time (a copy that keeps
+    dates) gives another key: the source's files other than the weights are keyed by content. Red when
+    they are keyed by size and time, or not at all (`test_the_key_changes_with_every_input_of_the_layers`
+    edits change the size)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    weights = source / "model.safetensors"
+    weights.write_bytes(b"x" * 10)
+    tokenizer = source / "tokenizer.json"
+    tokenizer.write_text('{"model": {"vocab": {"cat": 5, "dog": 6}}}')
+    before = tokenizer.stat()
+    key = conversion_key(source, [weights], {"kv_heads": 2}, None)
+    tokenizer.write_text('{"model": {"vocab": {"cat": 5, "cow": 6}}}')
+    os.utime(tokenizer, ns=(before.st_atime_ns, before.st_mtime_ns))  # the date kept
+    assert tokenizer.stat().st_size == before.st_size
+    assert conversion_key(source, [weights], {"kv_heads": 2}, None) != key
 
 
 def test_the_key_changes_with_the_code(tmp_path):

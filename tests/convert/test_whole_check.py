@@ -6,7 +6,8 @@ where each layer's chosen start is at least as close as mean pooling's but the m
 the KLs the record gives are measured again here with transformers on the same sequences, the written
 model is mean pooling's conversion, tensor for tensor, and the model the check turned down (obtained by
 keeping the chosen starts) takes the per-layer choice both ways. Then on random-weight models of every
-key-norm family, where the check keeps the chosen starts; and across a stop and a rerun.
+key-norm family, where the check keeps the chosen starts; across a stop and a rerun; and, with the
+verdict forced, behind the key norms the conversion rewrites (OLMo-2's whole-K, Cohere's per head).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TRAIN_TXT, VALID_TXT
-from tiny import load
+from conftest import EXAMPLE_MHA8, REPO, TRAIN_TXT, VALID_TXT
+from families import tiny_config
+from tiny import load, random_model, save
 from uptrain.convert import RECORD_FILE, convert
 from uptrain.convert.layers import whole_check
 from uptrain.convert.layers.calibrate import Calibration
@@ -175,3 +177,46 @@ def test_a_sweep_checks_each_count_as_its_conversion_does(trained, tmp_path):
     written, single = _tensors(out / "kv2"), _tensors(trained["base"] / "fit")
     for name in written:
         torch.testing.assert_close(written[name], single[name], rtol=0, atol=1e-6, msg=name)
+
+
+# key norms that carry K/V heads, so that the conversion rewrites them: over the whole K projection
+# (OLMo-2: [K/V heads x head_dim]) and per head (Cohere with use_qk_norm: [heads, head_dim])
+KEY_NORMS = {"olmo2": ("olmo2", {}), "cohere": ("cohere", dict(use_qk_norm=True))}
+
+
+def _forced(verdict: str):
+    """`WholeModelCheck._judge` with its KLs measured but `verdict` written."""
+    judge = whole_check.WholeModelCheck._judge
+    return lambda self: {**judge(self), "written": verdict}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_NORMS))
+def test_mean_poolings_start_written_by_the_check_rewrites_the_key_norms_too(case, tmp_path, monkeypatch,
+                                                                             one_torch_thread):
+    """Where the check writes mean pooling's start (its verdict forced here), the written model is a
+    `--method mean` conversion's, tensor for tensor: the key norms that carry K/V heads included, which
+    the fit's start rewrites differently (checked: the chosen starts' k_norm differs from mean
+    pooling's). Red when the check's mean outputs leave a whole-K or per-head key norm unwritten
+    (`layer_outputs._mean_outputs`): k_norm was the fit's, off by up to 0.51."""
+    model_type, extra = KEY_NORMS[case]
+    model = random_model(tiny_config(model_type, dict(extra, num_key_value_heads=8, vocab_size=512)), seed=0)
+    with torch.no_grad():  # peaked attention: the keys (and so their norm) matter to the fit
+        for name, p in model.named_parameters():
+            if ".q_proj." in name or ".k_proj." in name:
+                p.mul_(4.0)
+    src = save(model, tmp_path / "src")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (src / f).write_bytes((EXAMPLE_MHA8 / f).read_bytes())
+    convert(str(src), tmp_path / "pooled", 2, "mean")
+    for verdict in ("mean", "chosen"):
+        monkeypatch.setattr(whole_check.WholeModelCheck, "_judge", _forced(verdict))
+        convert(str(src), tmp_path / verdict, 2, "fit", calibration=Calibration(TRAIN_TXT, 1024))
+    record = json.loads((tmp_path / "mean" / RECORD_FILE).read_text())
+    assert record["whole_model"]["written"] == "mean", record["whole_model"]
+    written, pooled, chosen = (_tensors(tmp_path / f) for f in ("mean", "pooled", "chosen"))
+    norms = sorted(name for name in written if "k_norm" in name)
+    assert len(norms) == 2, sorted(written)  # one per layer
+    assert any((chosen[n] - pooled[n]).abs().max() > 1e-3 for n in norms), "the fit left the key norms as pooled"
+    assert written.keys() == pooled.keys()
+    for name in written:
+        torch.testing.assert_close(written[name], pooled[name], rtol=0, atol=1e-6, msg=name)

@@ -169,6 +169,31 @@ def test_scoring_is_never_silent(reference, monkeypatch, capsys) -> None:
     assert all(line.startswith("  model 1/1: ") and line.endswith(" s left") for line in lines)
 
 
+def test_scoring_progress_writes_a_line_per_interval_not_per_window(monkeypatch, capsys) -> None:
+    """Issue 60: the progress clock was never reset, so once the first interval had passed every window
+    wrote a line (91 lines instead of 10). A scoring of 31 windows on a clock that moves 1 s per window,
+    a line allowed every 3 s: one line at 3, 6, ..., 30 s (the last window writes none), each 3 s
+    after the one before. Red when `ScoringProgress` does not restart its clock at each line."""
+    import re
+    import types
+
+    from uptrain.measure import eval as eval_module
+
+    clock = iter(range(10**6))  # 0 at the start, then one second per window scored
+    monkeypatch.setattr(eval_module, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
+    monkeypatch.setenv("UPTRAIN_PROGRESS_EVERY", "3")
+    model, ids = tiny_llama(), torch.randint(0, 97, (32 + 16 * 30,), generator=torch.Generator().manual_seed(0))
+    assert len(window_spans(len(ids), 32, 16)) == 31  # 31 tokens scored in the first window, 16 in each other
+    progress = eval_module.ScoringProgress("model 1/1", len(ids) - 1)
+    result = evaluate(model, [ids], max_length=32, stride=16, tick=progress)
+    assert result.tokens == len(ids) - 1 == progress.done
+    lines = [line for line in capsys.readouterr().err.splitlines() if "tokens scored" in line]
+    seconds = [int(re.search(r"scored in (\d+) s", line)[1]) for line in lines]
+    assert seconds == list(range(3, 31, 3)), lines
+    done = [int(re.search(r"([\d,]+) of", line)[1].replace(",", "")) for line in lines]
+    assert done == [31 + 16 * (s - 1) for s in seconds], lines
+
+
 def _token_ids(texts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 

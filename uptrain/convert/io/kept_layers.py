@@ -71,11 +71,14 @@ def conversion_key(source_dir: Path, weight_files: Iterable[Path], settings: dic
 
     from uptrain import code_fingerprint
 
+    weights = {Path(f).resolve() for f in weight_files}
     source_files = [p for p in Path(source_dir).iterdir() if p.is_file() and not p.name.startswith(".")]
     parts = {
         "config": (Path(source_dir) / "config.json").read_text(encoding="utf-8"),
-        "files": sorted(_file_facts(p) for p in source_files),
-        "weights": sorted(_file_facts(Path(f)) for f in set(weight_files)),
+        # the source's other files (tokenizer, generation config) by content: an edit that keeps the size and
+        # the date (a copy that preserves dates) is another source; the weights by their facts, not read for a key
+        "files": sorted([p.name, *_text_identity(p)] for p in source_files if p.resolve() not in weights),
+        "weights": sorted(_file_facts(f) for f in weights),
         "calib": _text_identity(Path(calib_file)) if calib_file is not None else None,
         "settings": settings,
         "versions": [code_fingerprint(), torch.__version__, transformers.__version__],
