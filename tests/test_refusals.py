@@ -99,25 +99,32 @@ def test_the_sweep_refuses_a_folder_it_did_not_make_and_continues_its_own(tmp_pa
     assert "kept" in capsys.readouterr().out
 
 
+def _race(first: list[str], second: list[str], env: dict) -> int:
+    """`first` held just before it puts its folder in place while `second` runs whole; both into one folder
+    without --force: one exits 0, the other is refused in one line with exit 2. Returns `first`'s exit code."""
+    held = subprocess.Popen(first, cwd=REPO, env={**env, "UPTRAIN_TEST_PAUSE_AT": "rename:10"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while held.poll() is None and "paused at rename" not in seen:
+        seen = held.stderr.readline()
+    other = subprocess.run(second, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    err = held.communicate(timeout=300)[1]
+    codes = sorted([held.returncode, other.returncode])
+    assert codes == [0, 2], (held.returncode, err[-2000:], other.returncode, other.stderr[-2000:])
+    refused = err if held.returncode == 2 else other.stderr
+    assert "appeared while this run wrote it" in refused and refused.strip().count("\n") == 0, refused
+    return held.returncode
+
+
 def test_two_conversions_into_one_folder_one_is_refused(tmp_path):
     """The first is held just before it puts its folder in place while the second runs whole: one
     of them (whichever comes second to that point) is refused, and the folder is the other's."""
     out = tmp_path / "gqa2"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), "--kv-heads", "2", "--out", str(out)]
-    held = subprocess.Popen(command, cwd=REPO, env={**env, "UPTRAIN_TEST_PAUSE_AT": "rename:10"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen = ""
-    while held.poll() is None and "paused at rename" not in seen:
-        seen = held.stderr.readline()
-    other = subprocess.run([*command, "--method", "first"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    err = held.communicate(timeout=300)[1]
-    codes = sorted([held.returncode, other.returncode])
-    assert codes == [0, 2], (held.returncode, err[-2000:], other.returncode, other.stderr[-2000:])
-    refused = err if held.returncode == 2 else other.stderr
-    assert "appeared while this run wrote it" in refused and refused.strip().count("\n") == 0, refused
+    held = _race(command, command + ["--method", "first"], env)
     record = json.loads((out / "uptrain_conversion.json").read_text())
-    assert record["method"] == ("mean" if held.returncode == 0 else "first"), record  # the one that was not refused
+    assert record["method"] == ("mean" if held == 0 else "first"), record  # the one that was not refused
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -131,22 +138,10 @@ def test_two_fit_conversions_into_one_folder_one_is_refused(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit",
                "--calib", str(TRAIN_TXT), "--threads", "1", "--out", str(out)]
-    held = subprocess.Popen([*command, "--calib-tokens", "1024"], cwd=REPO,
-                            env={**env, "UPTRAIN_TEST_PAUSE_AT": "rename:10"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    seen = ""
-    while held.poll() is None and "paused at rename" not in seen:
-        seen = held.stderr.readline()
-    other = subprocess.run([*command, "--calib-tokens", "2048"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300)
-    err = held.communicate(timeout=300)[1]
-    codes = sorted([held.returncode, other.returncode])
-    assert codes == [0, 2], (held.returncode, err[-2000:], other.returncode, other.stderr[-2000:])
-    refused = err if held.returncode == 2 else other.stderr
-    assert "appeared while this run wrote it" in refused and refused.strip().count("\n") == 0, refused
+    held = _race([*command, "--calib-tokens", "1024"], [*command, "--calib-tokens", "2048"], env)
     record = json.loads((out / "uptrain_conversion.json").read_text())
     assert record["method"] == "fit", record
-    assert record["calibration"]["tokens_requested"] == (1024 if held.returncode == 0 else 2048), record["calibration"]
+    assert record["calibration"]["tokens_requested"] == (1024 if held == 0 else 2048), record["calibration"]
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name or ".complete-" in p.name]
 
 

@@ -34,8 +34,6 @@ Needs llama-cpp-python; without it, or without the converter, one line and exit 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
@@ -44,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,14 +89,8 @@ def convert_f32(folder: Path, out_file: Path, converter: Path) -> Path:
 def load_llama(path: Path, n_ctx: int, threads: int, kv_type: str, flash_attn: bool = True):
     """(llama_cpp.Llama, its KvCache line) with K and V cached as `kv_type`, all logits kept, and a
     batch as long as the context (a window is evaluated in one decode)."""
-    llama_cpp = gguf.require_llama_cpp()
-    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
-    log = io.StringIO()
-    with contextlib.redirect_stderr(log):
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                              n_threads_batch=threads, logits_all=True, flash_attn=flash_attn, verbose=True, seed=0,
-                              type_k=ggml_type, type_v=ggml_type)
-    kv = gguf.parse_kv_line(log.getvalue())
+    llm, _, kv = gguf.load_llama(path, n_ctx, threads, logits_all=True, kv_type=kv_type, flash_attn=flash_attn,
+                                 n_batch=n_ctx)
     if kv is None or (kv.k_type, kv.v_type) != (kv_type, kv_type):
         raise UsageError(f"llama.cpp did not allocate a {kv_type} K/V cache (its log: {kv})")
     return llm, kv

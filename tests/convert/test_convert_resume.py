@@ -195,12 +195,18 @@ def test_a_kill_before_a_kept_layer_is_renamed_leaves_no_layer_under_its_name(un
     _assert_same_output(out, uninterrupted["similar"])
 
 
-def test_the_key_changes_with_every_input_of_the_layers(tmp_path):
+def _source(tmp_path):
+    """(folder, weights file) of a minimal source for `conversion_key`: a config and 10 bytes of weights."""
     source = tmp_path / "src"
     source.mkdir()
     (source / "config.json").write_text('{"model_type": "llama"}')
     weights = source / "model.safetensors"
     weights.write_bytes(b"x" * 10)
+    return source, weights
+
+
+def test_the_key_changes_with_every_input_of_the_layers(tmp_path):
+    source, weights = _source(tmp_path)
     calib = tmp_path / "calib.txt"
     calib.write_text("text")
     settings = {"kv_heads": 2, "method": "fit", "refine": [400, 0.06, "original", 0]}
@@ -228,11 +234,7 @@ def test_a_same_size_edit_of_the_tokenizer_changes_the_key(tmp_path):
     dates) gives another key: the source's files other than the weights are keyed by content. Red when
     they are keyed by size and time, or not at all (`test_the_key_changes_with_every_input_of_the_layers`
     edits change the size)."""
-    source = tmp_path / "src"
-    source.mkdir()
-    (source / "config.json").write_text('{"model_type": "llama"}')
-    weights = source / "model.safetensors"
-    weights.write_bytes(b"x" * 10)
+    source, weights = _source(tmp_path)
     tokenizer = source / "tokenizer.json"
     tokenizer.write_text('{"model": {"vocab": {"cat": 5, "dog": 6}}}')
     before = tokenizer.stat()

@@ -39,17 +39,9 @@ def demo_key(args, source: Path, texts: list[Path], config: Path, digests: dict)
 class DemoRecord:
     """OUT's record: the key and the finished steps (`finish` writes it whole after each step)."""
 
-    def __init__(self, out: Path, key: str):
-        self.out, self.key, self.steps, self.digests = out, key, [], {}
-        self._earlier = self._read()
-
-    def _read(self) -> dict | None:
-        try:
-            data = json.loads((self.out / DEMO_MARK).read_text())
-        except (OSError, ValueError):
-            return None  # none, or an older demo's plain-text mark: not this demo's steps
-        self.digests = data.get("digests", {}) if isinstance(data, dict) else {}
-        return data if isinstance(data, dict) else None
+    def __init__(self, out: Path, key: str, digests: dict | None = None):
+        self.out, self.key, self.steps, self.digests = out, key, [], digests if digests is not None else {}
+        self._earlier = earlier(out)
 
     def prepare(self) -> list[str]:
         """Make OUT this demo's folder; the steps kept from a stopped run of the same demo ([] for none:
@@ -84,6 +76,21 @@ class DemoRecord:
                                    "demo into this folder replaces it", "key": self.key, "steps": self.steps,
                                    "digests": self.digests}, indent=1) + "\n")
         os.replace(tmp, self.out / DEMO_MARK)
+
+
+def earlier(out: Path) -> dict | None:
+    """The record an earlier demo left in `out` (None: none, or an older demo's plain-text mark)."""
+    try:
+        data = json.loads((out / DEMO_MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def earlier_digests(out: Path) -> dict:
+    """The file-hash cache an earlier demo kept in `out` (`fingerprint.file_digest`): a rerun reads only changed files."""
+    digests = (earlier(out) or {}).get("digests")
+    return digests if isinstance(digests, dict) else {}
 
 
 def _empty(out: Path) -> None:

@@ -17,7 +17,7 @@ from uptrain.convert.io.source import read_config, resolve_source
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.data import DataSource, read_documents
 from uptrain.demo import AS_IT_WAS, __doc__ as DEMO_DOC
-from uptrain.demo.record import DemoRecord, demo_key
+from uptrain.demo.record import DemoRecord, demo_key, earlier_digests
 from uptrain.demo.steps import (  # noqa: F401 (the demo's paths and defaults: public here too)
     CONFIG, EXAMPLES, OWN_MODEL_LR, REFINE_STEPS, REPO, TRAIN, VALID, _shown, check_first, convert_step, samples_step,
     say_repeats, uptrain_step)
@@ -167,8 +167,9 @@ def _demo(argv: list[str] | None) -> int:
         raise UsageError("give --data (your text) or --teacher-samples N (the source writes the text), not both")
     own_texts = split_documents_of(args.data) if args.data is not None else None
     budget = check_first(args, source, threads)  # --valid, the uptraining's overrides: before any sample is drawn
+    digests = earlier_digests(args.out)  # a 7B model's files hashed again only where they changed
     record = DemoRecord(args.out, demo_key(args, source, [p for p in (args.data, args.valid, TRAIN, VALID) if p],
-                                           CONFIG, {}))
+                                           CONFIG, digests), digests)
     kept = record.prepare()
     announce_threads()
     if kept:

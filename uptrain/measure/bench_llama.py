@@ -23,8 +23,6 @@ beside `kv_bytes_per_token`, the type's formula with its block scales (q8_0: 34 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import statistics
 import tempfile
 import time
@@ -41,7 +39,6 @@ from uptrain.units import kv_cache_bytes_per_token
 TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per element of a KV cache type
 # --kv-cache NAME -> the ggml type llama.cpp's K and V caches are allocated in (model: its default)
 LLAMA_KV_TYPES = {DEFAULT: "f16", "fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
-GGML_BF16 = 30  # enum ggml_type's GGML_TYPE_BF16 (ggml/include/ggml.h)
 NEEDS_FLASH_ATTN = {"q8_0", "q4_0"}  # llama-context.cpp: "V cache quantization requires flash_attn"
 
 
@@ -99,25 +96,6 @@ def llama_kv_type(name: str) -> str:
     return LLAMA_KV_TYPES[fmt.name]
 
 
-def load_llama_kv(path: Path, n_ctx: int, threads: int, kv_type: str):
-    """(llama_cpp.Llama, its KvCache line) with K and V allocated as `kv_type`, flash attention on where
-    that type needs it (gguf.load_llama's settings otherwise). A context llama.cpp refuses (e.g. a
-    block type whose block does not divide the GGUF's head_dim) is a one-line UsageError."""
-    llama_cpp = gguf.require_llama_cpp()
-    # llama-cpp-python 0.3.36 exports no GGML_TYPE_BF16: its value in ggml/include/ggml.h
-    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}", GGML_BF16 if kv_type == "bf16" else None)
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(log):
-            llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
-                                  n_threads_batch=threads, verbose=True, seed=0, type_k=ggml_type, type_v=ggml_type,
-                                  flash_attn=kv_type in NEEDS_FLASH_ATTN)
-    except ValueError as err:
-        why = [line for line in log.getvalue().splitlines() if "cache" in line and "type" in line][-1:] or [str(err)]
-        raise UsageError(f"llama.cpp refused a {kv_type} K/V cache for {path}: {why[0].strip()}") from None
-    return llm, gguf.parse_kv_line(log.getvalue())
-
-
 def random_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     """`n` token ids drawn uniformly from [3, n_vocab) (past <unk>/<s>/</s>), reproducibly."""
     import random
@@ -143,7 +121,7 @@ def bench_gguf(name: str, path: Path, contexts: Sequence[int], new_tokens: int, 
     """Measure one GGUF file (see the module docstring), its cache allocated for `kv_cache`."""
     n_ctx = max(contexts) + new_tokens
     kv_type = llama_kv_type(kv_cache)
-    llm, kv = load_llama_kv(path, n_ctx, threads, kv_type)
+    llm, _, kv = gguf.load_llama(path, n_ctx, threads, kv_type=kv_type, flash_attn=kv_type in NEEDS_FLASH_ATTN)
     meta = gguf.gguf_meta(llm)
     limit = gguf.arch_value(meta, "context_length") or n_ctx
     if max(contexts) + new_tokens > limit:

@@ -90,20 +90,32 @@ def parse_kv_line(log: str) -> KvCache | None:
 KV_TYPES = ("f16", "f32", "q8_0")  # llama.cpp's KV cache types offered (f16 is its default)
 
 
-def load_llama(gguf: Path, n_ctx: int, threads: int, logits_all: bool = False, kv_type: str = "f16"):
+GGML_BF16 = 30  # enum ggml_type's GGML_TYPE_BF16 (ggml/include/ggml.h): llama-cpp-python 0.3.36 exports no name for it
+
+
+def load_llama(gguf: Path, n_ctx: int, threads: int, logits_all: bool = False, kv_type: str = "f16",
+               flash_attn: bool = False, n_batch: int | None = None):
     """(llama_cpp.Llama, its load log, its KvCache) for a GGUF file with an `n_ctx`-token context
-    whose K and V caches hold `kv_type` (one of KV_TYPES).
+    whose K and V caches hold `kv_type` (f32, f16, bf16, q8_0, q4_0); `flash_attn`: llama.cpp's flash
+    attention (a quantized V cache needs it); `n_batch`: tokens per decode (default min(n_ctx, 512)).
+    A context llama.cpp refuses (a block type whose block does not divide the GGUF's head_dim) is a
+    one-line UsageError naming its log's reason.
 
     The log (llama.cpp's, through llama-cpp-python's callback to sys.stderr) is captured, not
     shown: it is long, and its KV line is the number we want.
     """
     llama_cpp = require_llama_cpp()
-    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}")
+    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_type.upper()}", GGML_BF16 if kv_type == "bf16" else None)
+    batch = n_batch or min(n_ctx, 512)
     log = io.StringIO()
-    with contextlib.redirect_stderr(log):
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
-                              n_threads_batch=threads, logits_all=logits_all, verbose=True, seed=0,
-                              type_k=ggml_type, type_v=ggml_type)
+    try:
+        with contextlib.redirect_stderr(log):
+            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=threads,
+                                  n_threads_batch=threads, logits_all=logits_all, verbose=True, seed=0,
+                                  type_k=ggml_type, type_v=ggml_type, flash_attn=flash_attn)
+    except ValueError as err:
+        why = [line for line in log.getvalue().splitlines() if "cache" in line and "type" in line][-1:] or [str(err)]
+        raise UsageError(f"llama.cpp refused a {kv_type} K/V cache for {gguf}: {why[0].strip()}") from None
     text = log.getvalue()
     return llm, text, parse_kv_line(text)
 

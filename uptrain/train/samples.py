@@ -27,7 +27,6 @@ if is_command(__name__, "uptrain-samples"):  # first act: a stop during the impo
     _at_once.install(PROGRAM, "nothing was written yet")
 
 import argparse
-import sys
 from pathlib import Path
 
 from uptrain.cli import ArgParser, positive_int, prog_name
@@ -80,21 +79,9 @@ def kept_batches(partial: Path) -> str:
 
 def _check_model(name: str) -> Path | None:
     """The local model folder (None: a Hub id, resolved later); UsageError for a folder that is missing or no model."""
-    from uptrain.convert.io.early import missing_folder_hint, near_folder, not_a_hub_id
+    from uptrain.convert.io.early import local_folder
 
-    folder = Path(name).expanduser()
-    if not folder.exists():
-        if near := near_folder(name):
-            raise UsageError(f"no model folder {name}; did you mean {near}?")
-        if not_a_hub_id(name):
-            raise UsageError(f"model folder {name} does not exist; check the path")
-        return None
-    if not folder.is_dir():
-        raise UsageError(f"{name} is a file; pass the model folder that holds config.json")
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"{folder.resolve()} has no config.json; pass a Hugging Face model folder"
-                         f"{missing_folder_hint(name)}")
-    return folder.resolve()
+    return local_folder(name, "model")
 
 
 def check_args(args: argparse.Namespace) -> tuple[Path | None, TeacherSamples]:

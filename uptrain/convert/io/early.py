@@ -96,21 +96,31 @@ def not_a_hub_id(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
 
 
+def local_folder(name: str, what: str = "checkpoint") -> Path | None:
+    """The local model folder `name` names, resolved (None: a Hub id); one-line UsageError for a folder
+    that is missing (with a near name where there is one), a file, or one without config.json. `what`:
+    how the refusals name it ("checkpoint" for convert, "model" for the samples command)."""
+    folder = Path(name).expanduser()
+    if not folder.exists():
+        if near := near_folder(name):
+            raise UsageError(f"no folder {name}; did you mean {near}?")
+        if not_a_hub_id(name):
+            raise UsageError(f"{what} folder {name} does not exist; check the path")
+        return None
+    if not folder.is_dir():
+        raise UsageError(f"{name} is a file; pass the {what} folder that holds config.json")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{folder.resolve()} has no config.json; pass a Hugging Face {what} folder"
+                         f"{missing_folder_hint(name)}")
+    return folder.resolve()
+
+
 def _local_config(checkpoint: str) -> dict[str, Any] | None:
     """config.json of a local checkpoint folder (None: a Hub id, or a config the full reader judges);
     UsageError where the folder is missing or has no config.json."""
-    folder = Path(checkpoint).expanduser()
-    if not folder.exists():
-        if near := near_folder(checkpoint):
-            raise UsageError(f"no folder {checkpoint}; did you mean {near}?")
-        if not_a_hub_id(checkpoint):
-            raise UsageError(f"checkpoint folder {checkpoint} does not exist; check the path")
+    folder = local_folder(checkpoint)
+    if folder is None:
         return None
-    if not folder.is_dir():
-        raise UsageError(f"{checkpoint} is a file; pass the checkpoint folder that holds config.json")
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"{folder.resolve()} has no config.json; pass a Hugging Face checkpoint folder"
-                         f"{missing_folder_hint(checkpoint)}")
     try:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
