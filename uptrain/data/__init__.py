@@ -13,6 +13,9 @@ In reading order:
 4. `schedule.py`  `schedule_blocks` (a seeded order of a whole dataset's blocks for the run's
                   budget) and `StreamSchedule` (the same for a stream, packed on the fly).
 
+Beside them, `overlap.py`: documents known by their content (`document_digest`), so that eval and
+the trainer warn when held-out text was a conversion's calibration text.
+
 The trainer (`uptrain.train.setup.build_data`) follows 1 -> 4; eval, the demo, the method
 bake-off and calibration (`uptrain.convert.layers.calibrate`) follow 1 -> 2 and score or run the
 documents one by one (`uptrain.measure.eval.tokenize_texts`: no packing, no cache).

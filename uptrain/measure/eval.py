@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -352,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = [asdict(r) | {"max_length": max_length, "stride": stride} for r in results]
         if args.reference is not None:  # per record: the warnings about it (the source near chance, it beating it)
             records = [r | {"warnings": w} for r, w in zip(records, fidelity_records(results))]
+        records = [r | _calibration_overlap(r, texts, out) for r in records]
     if task_names:
         scores = lm_tasks.score_paths(args.models, task_names, manager, max_length, args.task_limit,
                                       args.dtype, args.device)
@@ -360,6 +362,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         write_json(records, args.json)
     return 0
+
+
+def _calibration_overlap(record: dict, texts: list[str], out: TextIO) -> dict:
+    """A record's `warnings` with the overlap of the scored documents and the model's calibration text
+    (`uptrain.data.overlap`), printed; {} when there is none."""
+    from uptrain.data.overlap import calibration_overlap_warning
+
+    line = calibration_overlap_warning(Path(record["model"]), texts, "--data")
+    if line is None:
+        return {}
+    print(line, file=out)
+    return {"warnings": [*(record.get("warnings") or []), line]}
 
 
 # What this loss is, beside the trainer's val_loss on the same text (they differ, and both say why).

@@ -85,6 +85,7 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     enter("data tokenization")
     data = build_data(data_config, tokenizer, plan, accelerator, plan.resumed.get("samples", 0))
     plan = check_data(plan, len(data.val), data.fingerprint)
+    lines += calibration_overlap_lines(plan.config, data.held_out)
     accelerator.wait_for_everyone()  # every rank has passed the checks before anything is removed
     if accelerator.is_main_process:  # cleared with overwrite, run.yaml, the held-out documents for uptrain.eval
         begin_run_folder(plan.run_dir, plan.config_dict, plan.config.overwrite, plan.config.log.project,
@@ -104,6 +105,25 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
     metrics = MetricsLog(plan.run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(plan, accelerator, tokenizer, data.val, model, teacher, optimizer, loader, metrics,
                plan.resumed.get("write_s"))
+
+
+def calibration_overlap_lines(config, held_out) -> list[str]:
+    """The warning when the validation documents (held out of data.train, or a local data.val) were
+    calibration text of the conversion being uptrained (`uptrain.data.overlap`); [] when none were."""
+    from uptrain.data import read_documents
+    from uptrain.data.overlap import calibration_overlap_warning
+
+    model, val = Path(str(config.model)), config.data.val
+    if not model.is_dir():
+        return []
+    if held_out is not None:
+        texts, named = list(held_out["text"]), f"the held-out {config.data.val_fraction:g} of data.train"
+    elif val is not None and val.files and not val.streaming:
+        texts, named = read_documents(val), f"data.val {', '.join(map(str, val.files))}"
+    else:
+        return []
+    line = calibration_overlap_warning(model, texts, named)
+    return [line] if line else []
 
 
 def _build_training(plan: Plan, accelerator: Accelerator, train_blocks):

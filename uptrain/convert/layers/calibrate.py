@@ -36,6 +36,7 @@ from uptrain.convert.layers.layer_stream import (LayerStream, StreamUnsupported,
 from uptrain.convert.layers.schedule import StreamSchedule, StreamUser, stream_keep
 from uptrain.convert.io.source import open_checkpoint, read_config
 from uptrain.data import DataSource, read_documents
+from uptrain.data.overlap import digests
 from uptrain.errors import UsageError
 from uptrain.units import NEAR_CHANCE
 
@@ -356,8 +357,10 @@ class Calibration:
             tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
             config = AutoConfig.from_pretrained(self._model_dir)
             window = min(WINDOW, getattr(config.get_text_config(), "max_position_embeddings", None) or WINDOW)
-            self._windows = calibration_sequences(read_calibration_texts(self.path, self.text_unit), tokenizer,
-                                                  self.tokens, window)
+            texts = read_calibration_texts(self.path, self.text_unit)
+            self._windows = calibration_sequences(texts, tokenizer, self.tokens, window)
+            # which documents it read, by content: eval and the trainer warn when held-out text was among them
+            self.record["document_sha256"] = digests(texts[d] for d in sorted(set(self._windows[1])))
         return self._windows
 
     @property
