@@ -352,3 +352,25 @@ def test_a_full_disk_while_a_layer_is_kept_says_so_and_the_rerun_continues(small
     finished = _convert(out, KINDS["original"])
     assert finished.returncode == 0, finished.stderr
     assert "continues an interrupted conversion: layer 0 of 5" in " ".join(finished.stdout.split())
+
+
+def test_a_conversion_refused_after_layers_were_kept_names_them(tmp_path):
+    """Before: an --out that appeared while the layers were made was refused in one line that did not
+    say the finished layers were kept (a hidden folder of up to a whole model's attention weights)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "UPTRAIN_TEST_PAUSE_AT": "kept-1:2"}
+    cmd = [sys.executable, "-m", "uptrain.convert", str(EXAMPLE_MHA8), *BASE, *KINDS["similar"], "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    for line in proc.stderr:
+        if line.strip() == "paused at kept-1":  # another run's output lands in --out meanwhile
+            out.mkdir()
+            (out / "theirs.txt").write_text("another run's output\n")
+            break
+    stdout, stderr = proc.communicate(timeout=120)
+    folder = next(tmp_path.glob(".out.layers-*"))
+    assert proc.returncode == 2 and stderr.count("\n") == 1, stderr
+    assert "appeared while this run wrote it" in stderr and f"kept in {folder}" in stderr, stderr
+    assert (out / "theirs.txt").read_text() == "another run's output\n"
+    finished = _convert(out, [*KINDS["similar"], "--force"])  # the mended rerun takes the kept layers
+    assert finished.returncode == 0, finished.stderr
+    assert "continues an interrupted conversion" in " ".join(finished.stdout.split()), finished.stdout

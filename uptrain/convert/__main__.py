@@ -193,6 +193,12 @@ def _main(argv: list[str] | None = None) -> int:
                              + (f"({left}; delete that folder to free its space)" if left
                                 else "(nothing was left behind)")) from err
         raise
+    except UsageError as err:  # refused after layers were kept (the --out that appeared meanwhile): name them
+        left = at_once.left_behind()
+        if left:
+            raise UsageError(f"{err}. Kept: {left} once what is refused is mended (delete that folder to free its "
+                             "space)") from err
+        raise
     if plan is None:
         print("dry run: nothing written")
         return 0
