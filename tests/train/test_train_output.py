@@ -60,7 +60,9 @@ def test_a_log_file_gets_plain_lines_at_the_interval_and_no_carriage_returns(tmp
     output = b"".join(line for _, line in timed)
     assert b"\r" not in output, output.decode()[-3000:]
     lines = [(t, line.decode().rstrip("\n")) for t, line in timed]
-    progress = [i for i, (_, line) in enumerate(lines) if line.startswith("train: ")]
+    # the steps' lines (the final validation's own 'still working' lines come after the last step)
+    progress = [i for i, (_, line) in enumerate(lines) if line.startswith("train: ")
+                and not line.endswith(f"since step {steps}/{steps}")]
     assert progress and lines[progress[-1]][1].startswith(f"train: step {steps}/{steps}, loss "), lines
     first = next(i for i, (_, line) in enumerate(lines) if line.startswith(("train: ", "ETA: ")))  # training began
     last = progress[-1]
@@ -71,3 +73,23 @@ def test_a_log_file_gets_plain_lines_at_the_interval_and_no_carriage_returns(tmp
     steps_shown = sum(1 for i in progress if lines[i][1].startswith("train: step "))
     assert steps_shown <= (lines[last][0] - lines[first][0]) / every + 3, lines  # at the interval, not each step
     assert any(line.startswith("step 20: val loss ") for _, line in lines)
+
+
+def test_the_step_0_and_final_validations_are_not_silent_in_a_log_file(tmp_path):
+    """Before: the watcher ran only among the steps, so a big model's step-0 validation and its final
+    validation and save (minutes on a 7B model) left a log file without a line."""
+    need_models()
+    every, slow, steps = 1.0, 3.0, 2
+    args = tiny_overrides(tmp_path / "run", steps=steps, **{"eval.every": 0, "eval.at_start": "true",
+                                                            "eval.max_batches": 1, "log.progress_bar": "true",
+                                                            "threads": 1})
+    env = {**os.environ, "UPTRAIN_PROGRESS_EVERY": str(every), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _SLOWED.format(slow=slow), str(DEMO), *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = done.stdout.splitlines()
+    at_start = lines.index(next(line for line in lines if line.startswith("step 0: val loss ")))
+    final = lines.index(next(line for line in lines if line.startswith(f"step {steps}: val loss ")))
+    assert any(line.startswith("train: still working") and "since step 0/" in line for line in lines[:at_start]), lines
+    assert any(line.startswith("train: still working") and f"since step {steps}/{steps}" in line
+               for line in lines[at_start:final]), lines

@@ -40,7 +40,7 @@ from uptrain.train.setup import build_data, make_accelerator, make_optimizer
 from uptrain.train.model.teacher_samples import ensure_teacher_samples
 from uptrain.train.model.trainable import apply_trainable, param_numel, stages_line, trainable_line
 from uptrain.train.model.validate import validation_line
-from uptrain.train.steps import Run, train_steps
+from uptrain.train.steps import Run, plain_lines_while, train_steps
 
 
 def train(config: TrainConfig) -> dict:
@@ -52,7 +52,8 @@ def train(config: TrainConfig) -> dict:
         stop.enter("checkpoint load" if run.resume_from else "step-0 evaluation")
         start_step, batches = resume_state(run)
         if start_step == 0 and run.config.eval.at_start:
-            first = run.validate()
+            with plain_lines_while(run, 0):
+                first = run.validate()
             run.log({"step": 0, **first})  # the alpha = 0 point: the converted model before training
             run.accelerator.print(validation_line(0, first))
         stop.phase_done()  # (a test hook: a stop here, after the load and the evaluation, is still in set-up)
@@ -62,7 +63,8 @@ def train(config: TrainConfig) -> dict:
         except Preempted:
             run.accelerator.end_training()  # trackers flush what the steps logged
             raise
-        return finish_run(run, last_record)
+        with plain_lines_while(run, run.plan.steps):
+            return finish_run(run, last_record)
 
 
 def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:

@@ -184,6 +184,19 @@ def _set_lr(run: Run, step: int) -> float:
     return lr
 
 
+@contextlib.contextmanager
+def plain_lines_while(run: Run, done: int) -> Iterator[None]:
+    """Outside the steps (the step-0 validation; the final validation and save): in a log file, the
+    `ProgressLines` watcher's 'still working' lines, so that a big model's long validation is not silent."""
+    shown = run.accelerator.is_main_process and run.config.log.progress_bar and plain_output()
+    lines = ProgressLines(run.plan.steps, done, progress_every()) if shown else None
+    try:
+        yield
+    finally:
+        if lines is not None:
+            lines.close()
+
+
 class _Progress:
     """The progress (tokens/s and the losses at each sync point) and the ETA lines: a tqdm bar on a
     terminal; where the output is a log file or a pipe, plain lines instead (`ProgressLines`: at least
