@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh in its tiny CPU mode: the same three runs as on a GPU (bf16 + compile on
+"""scripts/gpu_check.sh in its tiny CPU mode: the same paths (a quality-path conversion of a
+7B-shaped layer, the source's samples, eval) and three runs as on a GPU (bf16 + compile on
 one process, shard=fsdp2 over one process, accelerate's FSDP2 config), so the script does not rot
 while no GPU is at hand. On CPU accelerate drops FSDP: the third run must be refused in one line."""
 
@@ -30,6 +31,15 @@ def test_gpu_check_tiny_mode_runs_every_path(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     one, fsdp2, accelerate_fsdp2 = summary["runs"]
+    layer, samples, scored = summary["paths"]  # the paths beside the trainer, on the device the runs use
+    assert all(p["returncode"] == 0 and p["device"] == "cpu" for p in summary["paths"]), summary["paths"]
+    record = json.loads((tmp_path / "layer-7b-fit" / "uptrain_conversion.json").read_text())
+    assert record["method"] == "fit" and record["grouping"] == "similar" and layer["kv_heads"] == 2
+    assert layer["refine_error_after"] < layer["refine_error_before"], layer
+    assert 2048 <= samples["tokens"] < 2048 + 256 and samples["tokens_per_s"] > 0  # at most one document past
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == samples["documents"]
+    evaluated = json.loads((tmp_path / "eval.json").read_text())[0]
+    assert scored["kl_to_source"] == round(evaluated["kl_to_source"], 5) and evaluated["reference"].endswith("mha")
     assert "the launch asks for FSDP" in accelerate_fsdp2["refused_on_cpu"]
     # 6N + attention FLOPs, recomputed here: the tiny shape ties its embeddings (N = all parameters).
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa2")

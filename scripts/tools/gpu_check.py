@@ -1,6 +1,12 @@
-"""The prepared GPU check (run by scripts/gpu_check.sh): a 1B-class Llama-shaped model with
-random weights, converted to 8 K/V heads and uptrained with bf16 + torch.compile three ways,
-printing tokens/s and MFU for each and writing them to a JSON file.
+"""The prepared GPU check (run by scripts/gpu_check.sh): every path of uptrain that runs on a GPU,
+measured into one JSON file. First the paths beside the trainer (`paths`), each a fresh process
+with `--device cuda`:
+  a. the quality-path conversion of one Llama-2-7B-shaped layer (`uptrain.convert --method fit
+     --grouping similar --calib --refine --device cuda`): seconds, the refinement's held-out error;
+  b. the source's samples (`python -m uptrain.train.samples --device cuda`): tokens/s;
+  c. `uptrain.eval --reference --device cuda`: the converted 1B-class model against its source.
+Then a 1B-class Llama-shaped model with random weights, converted to 8 K/V heads and uptrained
+with bf16 + torch.compile three ways, printing tokens/s and MFU for each.
 
     bash scripts/gpu_check.sh                  # on a GPU machine: full shape, ~5 min on an H100/H200 (estimate)
     GPU_CHECK_TINY=1 bash scripts/gpu_check.sh  # tiny shape (automatic without CUDA), ~1 min on CPU
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +59,13 @@ FULL_SHAPE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8
 TINY_SHAPE = {**FULL_SHAPE, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
               "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "vocab_size": 512,
               "max_position_embeddings": 512}
+# One layer of Llama 2 7B (32 heads of 128, 32 K/V heads: MHA), for the quality path's conversion.
+LAYER_7B = {**FULL_SHAPE, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 1,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False}
+# (K/V heads, calibration tokens, refinement steps, sample tokens) of the paths beside the trainer
+FULL_PATHS = dict(kv_heads=8, calib_tokens=16384, refine_steps=400, sample_tokens=262144)
+TINY_PATHS = dict(kv_heads=2, calib_tokens=2048, refine_steps=20, sample_tokens=2048)
 # (steps, warm-up steps excluded from the speed, seq_len, micro batch, log.every, K/V heads after)
 FULL_RUN = dict(steps=150, warmup=20, seq_len=2048, micro_batch=4, log_every=10, kv_heads=8)
 TINY_RUN = dict(steps=12, warmup=4, seq_len=64, micro_batch=2, log_every=4, kv_heads=2)
@@ -64,22 +78,83 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Comple
                               env={**os.environ, **(env or {})})
 
 
-def make_model(work: Path, shape: dict, kv_heads: int, device: str) -> Path:
-    """Random Llama-shaped MHA model (scripts/tools/make_shaped_model.py) -> `uptrain.convert --kv-heads`,
-    both through their command-line mains, in this process (two fewer torch start-ups)."""
+def make_mha(work: Path, shape: dict, device: str, name: str = "mha") -> Path:
+    """A random Llama-shaped MHA model (scripts/tools/make_shaped_model.py, in this process) with
+    stories260K's tokenizer (512 ids: they fit any vocabulary)."""
     sys.path.insert(0, str(REPO / "scripts" / "tools"))
     import make_shaped_model
+
+    (work / f"{name}.json").write_text(json.dumps(shape))
+    mha = work / name
+    if make_shaped_model.main([str(work / f"{name}.json"), str(mha), "--dtype", "bfloat16", "--device", device]) != 0:
+        sys.exit("gpu_check: scripts/tools/make_shaped_model.py failed")
+    for file in ("tokenizer.json", "tokenizer_config.json"):  # travels with the source into the converted folder
+        shutil.copyfile(TOKENIZER / file, mha / file)
+    return mha
+
+
+def make_model(work: Path, shape: dict, kv_heads: int, device: str) -> Path:
+    """`make_mha` -> `uptrain.convert --kv-heads` (mean pooling), through the CLI's main in this process."""
     from uptrain.convert.__main__ import main as convert
 
-    (work / "shape.json").write_text(json.dumps(shape))
-    mha, gqa = work / "mha", work / f"gqa{kv_heads}"
-    if make_shaped_model.main([str(work / "shape.json"), str(mha), "--dtype", "bfloat16", "--device", device]) != 0:
-        sys.exit("gpu_check: scripts/tools/make_shaped_model.py failed")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # travels with the source into the converted folder
-        shutil.copyfile(TOKENIZER / name, mha / name)
+    mha, gqa = make_mha(work, shape, device), work / f"gqa{kv_heads}"
     if convert([str(mha), "--kv-heads", str(kv_heads), "--out", str(gqa), "--force"]) != 0:
         sys.exit("gpu_check: uptrain.convert failed")
     return gqa
+
+
+def path_runs(work: Path, tiny: bool, device: str, mha: Path, gqa: Path) -> list[dict]:
+    """The paths beside the trainer (module doc: a, b, c), each a fresh process on `device`; a record each."""
+    p = TINY_PATHS if tiny else FULL_PATHS
+    layer = make_mha(work, {**LAYER_7B, **({k: TINY_SHAPE[k] for k in ("hidden_size", "intermediate_size",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")} if tiny else {})},
+                     "cuda" if device == "cuda" else "cpu", "layer-7b")
+    py = [sys.executable, "-m"]
+    paths = [
+        ("quality-path conversion of a Llama-2-7B-shaped layer",
+         [*py, "uptrain.convert", str(layer), "--kv-heads", str(p["kv_heads"]), "--method", "fit",
+          "--grouping", "similar", "--calib", str(TRAIN_TXT), "--calib-tokens", str(p["calib_tokens"]), "--refine",
+          "--refine-steps", str(p["refine_steps"]), "--device", device, "--out", str(work / "layer-7b-fit"),
+          "--force"], work / "layer-7b-fit"),
+        ("the source's samples", [*py, "uptrain.train.samples", str(mha), "--tokens", str(p["sample_tokens"]),
+                                  "--out", str(work / "samples.jsonl"), "--device", device, "--force"],
+         work / "samples.jsonl"),
+        ("uptrain.eval against the source", [*py, "uptrain.eval", str(gqa), "--reference", str(mha), "--data",
+                                             str(VALID_TXT), "--device", device, "--json", str(work / "eval.json")],
+         work / "eval.json"),
+    ]
+    records = []
+    for i, (name, cmd, made) in enumerate(paths):
+        t = time.time()
+        proc = run(cmd, work / f"path{i + 1}.log", {"PYTHONUNBUFFERED": "1"})
+        lines = (work / f"path{i + 1}.log").read_text().strip().splitlines() or [""]
+        record = {"path": name, "device": device, "returncode": proc.returncode, "seconds": round(time.time() - t, 1)}
+        if proc.returncode != 0:
+            record["error"] = lines[-1]
+        else:
+            record.update(path_figures(i, made, record["seconds"], lines))
+        print(f"{name}: " + (f"FAILED (exit {proc.returncode}): {lines[-1]}" if proc.returncode else
+                             ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("path", "returncode"))),
+              flush=True)
+        records.append(record)
+    return records
+
+
+def path_figures(index: int, made: Path, seconds: float, lines: list[str]) -> dict:
+    """What a finished path measured, from what it wrote (its record, its file, its JSON)."""
+    if index == 0:
+        record = json.loads((made / "uptrain_conversion.json").read_text())
+        layers = (record.get("refinement") or {}).get("layers") or [{}]
+        return {"kv_heads": record["new_kv_heads"], "calibration_tokens": record["calibration"]["tokens_used"],
+                "refine_error_before": layers[0].get("error_before"), "refine_error_after": layers[0].get("error_after"),
+                "refine_steps_run": layers[0].get("steps_run")}
+    if index == 1:  # "N documents, T tokens written to FILE in S s (R tokens/s)"
+        found = re.search(r"([\d,]+) documents, ([\d,]+) tokens written .* \(([\d,.]+) tokens/s\)", "\n".join(lines))
+        documents, tokens, rate = (float(g.replace(",", "")) for g in found.groups()) if found else (0, 0, 0)
+        return {"documents": int(documents), "tokens": int(tokens), "tokens_per_s": rate}
+    result = json.loads(made.read_text())[0]
+    return {"loss": round(result["loss"], 4), "kl_to_source": round(result["kl_to_source"], 5),
+            "tokens": result["tokens"], "tokens_per_s": round(result["tokens"] / seconds, 1)}
 
 
 def train_args(model: Path, run_dir: Path, r: dict, extra: dict) -> list[str]:
@@ -126,6 +201,7 @@ def main() -> int:
     per_token = model_flops_per_token(reference, r["seq_len"])
     print(f"model: {n_params:,} parameters, {r['kv_heads']} K/V heads, {per_token / 1e9:.4g} GFLOP "
           f"per token (made and converted in {time.time() - t0:.0f} s)", flush=True)
+    paths = path_runs(work, tiny, "cuda" if cuda else "cpu", work / "mha", model)
 
     launch = [sys.executable, "-m", "accelerate.commands.launch"]
     # Tiny mode compiles per layer (run 2) but not the whole model: on a shared 2-core CPU each
@@ -174,10 +250,10 @@ def main() -> int:
         results.append(result)
     summary = {"device": device, "tiny": tiny, "torch": torch.__version__, "parameters": n_params,
                "flops_per_token": per_token, "peak_tflops": peak, **{k: v for k, v in r.items()},
-               "runs": results, "seconds": round(time.time() - t0, 1)}
+               "paths": paths, "runs": results, "seconds": round(time.time() - t0, 1)}
     (work / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {work / 'gpu_check.json'} ({summary['seconds']:.0f} s in all)")
-    return 1 if failed else 0
+    return 1 if failed or any(x["returncode"] != 0 for x in paths) else 0
 
 
 if __name__ == "__main__":
