@@ -156,3 +156,22 @@ def test_a_stop_while_the_source_writes_samples_names_the_kept_batches(tmp_path)
     line = err.strip().splitlines()[-1]
     assert LINE.match(line) and re.search(r"\d+ sample batches kept in \S*\.demo\.teacher-samples", line), line
     assert "the same command continues from them" in line
+
+
+def test_a_demo_stopped_in_its_uptrainings_set_up_keeps_the_conversion_and_the_rerun_trains_from_step_0(tmp_path):
+    """A stop while the uptraining loads its models (no checkpoint yet): the line says the conversion is
+    kept; the rerun takes it as it is and trains from the start, to the end."""
+    out = tmp_path / "demo"
+    command = [sys.executable, "-m", "uptrain.demo", "--out", str(out), *DEMO_ARGS]
+    code, err = _stopped(command, "SIGTERM", {"UPTRAIN_TEST_SIGNAL_IN_SETUP": "models:SIGTERM"}, "")
+    assert code == 143 and "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert LINE.match(line) and "keeps: convert" in line, line
+    assert not list((out / "uptrain").glob("checkpoint-*")) if (out / "uptrain").exists() else True
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    before_uptraining = again.stdout.split("== uptrain")[0]
+    assert "kept from the earlier run" in before_uptraining and "calibrat" not in before_uptraining.split("kept")[-1]
+    assert "continues from checkpoint" not in again.stdout and "resuming from" not in again.stdout
+    assert (out / "uptrain" / "model" / "config.json").is_file()
