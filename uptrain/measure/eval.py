@@ -19,7 +19,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name, write_json
 from uptrain.data.source import TEXT_UNITS, DataSource  # standard library only: no `datasets` for bench
+from uptrain.measure.copy_probe import PASSAGES, copy_against, copy_warning, probe_model
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.measure.kv_cache import (DEFAULT, FORMATS, KVFormat, active, add_kv_cache_arg, check_paths, kv_format,
@@ -72,6 +73,19 @@ class EvalResult:
     greedy_prompts: int | None = None  # prompts the greedy agreement was measured on
     prompt_tokens: int | None = None
     continuation_tokens: int | None = None
+    # the copy probe (uptrain.measure.copy_probe: a passage seen again at distances up to the window)
+    copy_first_loss: float | None = None  # loss on a passage's first occurrence, nats/token
+    copy_second_loss: float | None = None  # on its second, where the model can copy it
+    copy_gain: float | None = None  # first - second
+    copy_top1: float | None = None  # share of second-occurrence tokens predicted exactly
+    copy_first_top1: float | None = None
+    copy_passage: int | None = None  # tokens per passage
+    copy_passages: int | None = None  # passages per distance
+    copy_distances: list[int] | None = None  # tokens between the two occurrences
+    copy_by_distance: dict | None = None  # per distance: first_loss, second_loss, top1, first_top1
+    copy_gain_kept: float | None = None  # with a reference: copy_gain / the source's
+    source_copy_top1: float | None = None
+    source_copy_gain: float | None = None
 
 
 # ---------------------------------------------------------------- pure computation
@@ -216,7 +230,8 @@ def evaluate_against(model: torch.nn.Module, reference: Reference, token_sequenc
 
 def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, stride: int,
                    dtype: str = "auto", device: str = "cpu", reference: str | None = None,
-                   greedy: GreedySettings | None = None, kv_cache: str = DEFAULT) -> list[EvalResult]:
+                   greedy: GreedySettings | None = None, kv_cache: str = DEFAULT,
+                   copy_passages: int = PASSAGES) -> list[EvalResult]:
     """Evaluate each model folder on `texts`, each with its own tokenizer; a line on stderr as each
     model starts and ends, and while it is scored at most every ~10 s (`ScoringProgress`: scoring a
     large text takes minutes: never silent that long).
@@ -226,11 +241,14 @@ def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, 
     the greedy-agreement settings (None: the defaults, 16 prompts of 32 tokens, 32 continued, shrunk
     to fit the window). The loss is the same number with and without a reference. `kv_cache`: every
     model's K/V cache stored in that format (`uptrain.measure.kv_cache`; refused before anything loads
-    when a model cannot take it), the reference's as saved.
+    when a model cannot take it), the reference's as saved. `copy_passages`: passages per distance of the
+    copy probe (`uptrain.measure.copy_probe`; 0: none).
     """
     fmt = kv_format(kv_cache)
     check_paths(fmt, paths)
     ref = None if reference is None else load_reference(reference, paths, texts, max_length, dtype, device, greedy)
+    ref_copy = None if ref is None or not copy_passages else probe_model(
+        ref.model, list(tokenize_texts(ref.tokenizer, texts)), max_length, copy_passages)
     results = []
     for k, path in enumerate(paths, 1):
         began = time.monotonic()
@@ -242,10 +260,20 @@ def evaluate_paths(paths: Sequence[str], texts: Sequence[str], max_length: int, 
         tick = ScoringProgress(f"model {k}/{len(paths)}", sum(max(int(d.numel()) - 1, 0) for d in docs))
         results.append(evaluate(model, docs, max_length, stride, name=path, tick=tick, kv=active(fmt)) if ref is None
                        else evaluate_against(model, ref, docs, max_length, stride, name=path, tick=tick, kv=active(fmt)))
+        if copy_passages:
+            results[-1] = with_copy(results[-1], probe_model(model, docs, max_length, copy_passages, active(fmt)),
+                                    ref_copy)
         kl = "" if ref is None else f", KL to source {results[-1].kl_to_source:.4f}"
         print(f"  done in {time.monotonic() - began:.1f} s: loss {results[-1].loss:.4f}{kl}", file=sys.stderr,
               flush=True)
     return results
+
+
+def with_copy(result: EvalResult, probe: dict | None, source: dict | None) -> EvalResult:
+    """`result` with the copy probe's fields (and, beside a source's probe, the share of its gain kept)."""
+    if probe is None:
+        return result
+    return replace(result, **probe, **(copy_against(probe, source) if source is not None else {}))
 
 
 def print_fidelity_warnings(results: Sequence[EvalResult], source_result: EvalResult | None = None,
@@ -323,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", metavar="MODEL", help="local model folders")
     add_data_args(parser)
     add_fidelity_args(parser)
+    parser.add_argument("--copy-passages", type=int, default=PASSAGES, metavar="N",
+                        help=f"the copy probe: N passages per distance read twice (default {PASSAGES}; 0: none); "
+                             "docs/measure.md")
     parser.add_argument("--dtype", default="auto", choices=sorted(LOAD_DTYPES), help="weights dtype; auto: as saved")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda")
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON (- for stdout)")
@@ -348,12 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[dict] = [{"model": m} for m in args.models]
     if texts is not None:
         results = evaluate_paths(args.models, texts, max_length, stride, args.dtype, args.device,
-                                 args.reference, greedy, args.kv_cache)
+                                 args.reference, greedy, args.kv_cache, max(0, args.copy_passages))
         _print_results(results, max_length, stride, out)
         records = [asdict(r) | {"max_length": max_length, "stride": stride} for r in results]
         if args.reference is not None:  # per record: the warnings about it (the source near chance, it beating it)
             records = [r | {"warnings": w} for r, w in zip(records, fidelity_records(results))]
         records = [r | _calibration_overlap(r, texts, out) for r in records]
+        records = [r | ({"warnings": [*(r.get("warnings") or []), w]} if (w := copy_warning(r["model"], r)) else {})
+                   for r in records]
     if task_names:
         scores = lm_tasks.score_paths(args.models, task_names, manager, max_length, args.task_limit,
                                       args.dtype, args.device)
@@ -394,6 +427,23 @@ def _print_results(results: Sequence[EvalResult], max_length: int, stride: int, 
     if note:
         print(note, file=out)
         print_fidelity_warnings(results, out=out)
+    for line in copy_lines(results):
+        print(line, file=out)
+
+
+def copy_lines(results: Sequence[EvalResult]) -> list[str]:
+    """The copy probe's lines under the table (what it is, each model's figures, the warnings)."""
+    probed = [r for r in results if r.copy_gain is not None]
+    if not probed:
+        return []
+    r0 = probed[0]
+    lines = [f"copy probe: {r0.copy_passages} passages of {r0.copy_passage} tokens seen again after "
+             f"{'/'.join(map(str, r0.copy_distances))} tokens of other text (uptrain.measure.copy_probe; docs/measure.md)"]
+    for r in probed:
+        kept = "" if r.copy_gain_kept is None else f", {r.copy_gain_kept:.0%} of the source's gain kept"
+        lines.append(f"  {r.model}: loss {r.copy_first_loss:.3f} -> {r.copy_second_loss:.3f} on the second reading "
+                     f"(gain {r.copy_gain:.3f}), top-1 {r.copy_first_top1:.1%} -> {r.copy_top1:.1%}{kept}")
+    return lines + [w for r in probed if (w := copy_warning(r.model, asdict(r)))]
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ _FIXED_KEYS = ("model", "run_dir", "overwrite", "data.train.files", "data.val.fi
 
 
 FIDELITY = ("kl_to_source", "top1_agreement", "greedy_agreement", "greedy_prefix", "loss_vs_source",
-            "loss_vs_source_se", "greedy_agreement_se")  # a sweep point's fields against the source (uptrain.measure.fidelity)
+            "loss_vs_source_se", "greedy_agreement_se", "copy_first_loss", "copy_second_loss", "copy_top1",
+            "copy_gain_kept", "source_copy_top1")  # a sweep point's fields against the source (uptrain.measure.fidelity)
 
 
 def fidelity_of(result) -> dict:

@@ -84,11 +84,13 @@ def _name(p) -> str:
 
 def _fidelity_cells(p) -> list[str]:
     if p.kl_to_source is None:
-        return ["-", "-", "-"]
+        return ["-", "-", "-", "-"]
     from uptrain.measure.fidelity import greedy_cell
 
     greedy = greedy_cell(p.greedy_agreement, p.greedy_agreement_se)
-    return [f"{p.kl_to_source:.4f}", f"{p.top1_agreement:.1%}", greedy]
+    copy = "-" if getattr(p, "copy_top1", None) is None else (
+        f"{p.copy_top1:.1%}" + ("" if p.copy_gain_kept is None else f" ({p.copy_gain_kept:.0%})"))
+    return [f"{p.kl_to_source:.4f}", f"{p.top1_agreement:.1%}", greedy, copy]
 
 
 def report(args, points: list, method: str, vocab_size: int, start_note: str | None = None,
@@ -106,15 +108,21 @@ def report(args, points: list, method: str, vocab_size: int, start_note: str | N
              f"{source.kv_bytes_per_token / p.kv_bytes_per_token:.3g}x"] for p in points]
     extra_headers, extra_cells = table_columns(points, source.loss)  # --bench, --uptrain-tokens
     print(format_table(["model", "K/V heads", "KV cache", "loss", "perplexity", "vs source", "KL to source", "top-1 agr.",
-                        "greedy agr.", "KV / token", f"KV at {source.settings['context']:,} tokens x {args.batch}",
+                        "greedy agr.", "copy top-1 (gain kept)", "KV / token", f"KV at {source.settings['context']:,} tokens x {args.batch}",
                         "KV reduction", *extra_headers], [row + extra for row, extra in zip(rows, extra_cells)]))
     if any(p.greedy_agreement_se is not None for p in points):
         from uptrain.measure.fidelity import GREEDY_SE_NOTE
 
         print(f"greedy agr.: {GREEDY_SE_NOTE}")
+    if any(getattr(p, "copy_top1", None) is not None for p in points):
+        print("copy top-1 (gain kept): a passage read again after other text, the share of its tokens predicted "
+              "exactly, and the share of the source's loss gain on the second reading kept (uptrain.measure.copy_probe)")
     for line in notes(points):
         print(line)
     said = warnings(points, vocab_size)
+    from uptrain.measure.copy_probe import copy_warning
+
+    said += [w for p in points[1:] if (w := copy_warning(_name(p), asdict(p)))]
     for line in said:
         print(line)
     for metric, name in PLOTS.items():

@@ -57,7 +57,13 @@ class Point:
     greedy_agreement_se: float | None = None  # the greedy agreement's standard error over the prompts
     loss_vs_source: float | None = None  # loss - the source's, over the same tokens
     loss_vs_source_se: float | None = None  # its standard error over documents
-    fidelity_after_uptraining: dict | None = None  # the six above, of the uptrained model
+    # the copy probe (uptrain.measure.copy_probe): a passage read again after other text
+    copy_first_loss: float | None = None
+    copy_second_loss: float | None = None
+    copy_top1: float | None = None  # share of the second reading's tokens predicted exactly
+    copy_gain_kept: float | None = None  # (first - second loss) / the source's
+    source_copy_top1: float | None = None
+    fidelity_after_uptraining: dict | None = None  # the fields above from kl_to_source, of the uptrained model
     kv_cache: str = "model"  # the K/V cache format it was scored with (`precision.py`, uptrain.measure.kv_cache)
 
 
