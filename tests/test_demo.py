@@ -77,7 +77,7 @@ def test_own_model_and_text_convert_uptrain_and_report(tmp_path, capsys):
                  "--calib-tokens", "2048", "--refine-steps", "20", "--tasks", "none", "budget.tokens=16384", "optim.warmup_steps=2",
                  "log.progress_bar=false"]) == 0
     printed = capsys.readouterr().out
-    assert "peak lr 0.0001" in printed and "lr_sweep" in printed  # the lr it chose and how to choose better
+    assert "recipe: peak lr 0.0003" in printed and "lr_sweep" in printed  # the lr it chose and how to choose better
     losses = {name: float(loss) for name, loss in
               re.findall(r"\| (GQA source \(4 K/V heads\)|GQA-1, converted|GQA-1, uptrained)[^|]*\| ([0-9.]+)",
                          printed)}

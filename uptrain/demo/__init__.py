@@ -14,9 +14,10 @@ Your own model and text, same steps and table:
 FILE is read as the trainer reads it (.txt: a blank line between documents; .jsonl/.json/.parquet:
 a `text` field); its last tenth of documents is held out for the table (or `--valid FILE`), the
 rest is the training text (also the calibration text of `--method fit`). `--kv-heads` defaults
-to a quarter of the model's K/V heads. The peak learning rate defaults to 1e-4, 1/3 of a common
-pre-training peak (3e-4); the recipe study found 1/3 of the model's own peak best: pass
-`optim.lr=` from its model card, or measure with `scripts/lr_sweep.py`.
+to a quarter of the model's K/V heads. The uptraining is the one recipe the sweep uses too
+(`uptrain/train/recipe.py`: peak lr 3e-4, pure distillation from the source); 1/3 of your model's
+own pre-training peak is the better lr where you know it: pass `optim.lr=` from its model card, or
+measure with `scripts/lr_sweep.py`.
 """
 
 AS_IT_WAS = "nothing was written yet"  # each step says what a stop keeps (`run._keeps`)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from uptrain.stopping import at_once
+from uptrain.train.recipe import RECIPE
 from uptrain.cli import ArgParser, format_table, positive_int, prog_name
 from uptrain.convert.registry.choices import GROUPINGS, METHODS
 from uptrain.convert.io.hfconfig import model_shape, source_family
@@ -19,7 +20,7 @@ from uptrain.data import DataSource, read_documents
 from uptrain.demo import AS_IT_WAS, __doc__ as DEMO_DOC
 from uptrain.demo.record import DemoRecord, demo_key, earlier_digests
 from uptrain.demo.steps import (  # noqa: F401 (the demo's paths and defaults: public here too)
-    CONFIG, EXAMPLES, OWN_MODEL_LR, REFINE_STEPS, REPO, TRAIN, VALID, _shown, check_first, convert_step, samples_step,
+    CONFIG, EXAMPLES, REFINE_STEPS, REPO, TRAIN, VALID, _shown, check_first, convert_step, samples_step,
     say_repeats, uptrain_step)
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
@@ -115,8 +116,9 @@ def _parser() -> ArgParser:
     p.add_argument("--refine-steps", type=int, default=REFINE_STEPS,
                    help="layer-wise reconstruction after the closed-form start (convert --refine): at most N "
                         f"Adam steps per layer on the calibration tokens (default {REFINE_STEPS}; 0: none)")
-    p.add_argument("--alpha-kd", type=float, default=1.0,
-                   help="share of the distillation loss from the MHA source (0: plain LM uptraining)")
+    p.add_argument("--alpha-kd", type=float, default=RECIPE["distill.alpha_kd"],
+                   help="share of the distillation loss from the MHA source (0: plain LM uptraining; default: "
+                        "the recipe's, uptrain/train/recipe.py)")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
     p.add_argument("--valid", type=Path, default=None,

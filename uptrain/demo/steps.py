@@ -23,7 +23,6 @@ CONFIG = REPO / "configs" / "demo-cpu.yaml"
 VALID = EXAMPLES / "data" / "tinystories-valid-sample.txt"
 TRAIN = EXAMPLES / "data" / "tinystories-train-sample.txt"
 REFINE_STEPS = DEFAULT_REFINE_STEPS  # the converter's --refine-steps default
-OWN_MODEL_LR = 1e-4  # 1/3 of 3e-4, a common pre-training peak; configs/demo-cpu.yaml's 1e-3 is tuned to stories260K
 
 
 def _shown(path: Path) -> str:
@@ -119,11 +118,11 @@ def samples_step(args, source: Path, record: DemoRecord) -> list[str]:
 def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int,
                       run_dir: Path) -> list[str]:
     """The key=value overrides of configs/demo-cpu.yaml for this demo (the user's last)."""
-    distill = [f"distill.teacher={source}", f"distill.alpha_kd={args.alpha_kd}"] if args.alpha_kd > 0 else []
-    own_lr = [f"optim.lr={OWN_MODEL_LR}"] if args.model is not None and not any(
-        o.startswith("optim.lr=") for o in args.overrides) else []
+    from uptrain.train.recipe import recipe_overrides
+
     return [f"model={converted}", f"run_dir={run_dir}", "overwrite=true", f"data.train.files=[{train_text}]",
-            f"data.val.files=[{valid_path}]", *distill, *own_lr, f"threads={threads}", *args.overrides]
+            f"data.val.files=[{valid_path}]", *recipe_overrides(str(source), args.alpha_kd), f"threads={threads}",
+            *args.overrides]
 
 
 def check_first(args, source: Path, threads: int) -> int:
@@ -169,9 +168,11 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
            "step); the same command continues from it", record)
     print(f"== uptrain with {CONFIG.relative_to(REPO)} into {run_dir}"
           + (f": continues from {resume[-1].name} of the stopped run" if resume else ""), flush=True)
-    if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides):
-        print(f"   peak lr {OWN_MODEL_LR:g}: 1/3 of 3e-4, a common pre-training peak; better 1/3 of your "
-              "model's own (model card), or measure: scripts/lr_sweep.py; set it with optim.lr=X")
+    from uptrain.train.recipe import describe
+
+    print(f"   {describe(args.alpha_kd)}" + ("; better: 1/3 of your model's own pre-training peak (model card), set "
+          "with optim.lr=X, or measure: scripts/lr_sweep.py" if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides)
+          else ""), flush=True)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir)
     if resume:  # the stopped run's own state: resumed, not replaced
         overrides = [o for o in overrides if o != "overwrite=true"] + ["resume=latest"]

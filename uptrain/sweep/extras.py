@@ -6,9 +6,9 @@ warm-up and `--bench-repeats` timed runs, the median decode tokens/s (`bench_mod
 `decode_throughput`); `--runtime llama.cpp` times the same folders in llama.cpp instead
 (`run_llama_bench`, needs llama-cpp-python and llama.cpp's converter, as `uptrain.bench` does).
 
-`--uptrain-tokens N`: each converted folder uptrained for N tokens with the project's recipe
-(`configs/paper/uptrain.yaml`: peak lr 1/3 of a pre-training peak, no warm-up, cosine, distillation
-from the source, alpha_kd 0.9) through the trainer's Python API, into OUT/kv{K}-uptrained/ (the run:
+`--uptrain-tokens N`: each converted folder uptrained for N tokens with the project's one recipe
+(`uptrain/train/recipe.py`, the demo's too: peak lr 3e-4, no warm-up, cosine, pure distillation from
+the source; on the frame of `configs/paper/uptrain.yaml`: its blocks and batch) through the trainer's Python API, into OUT/kv{K}-uptrained/ (the run:
 metrics, loss.png, model/), then scored with `uptrain.eval`'s code on the same held-out text.
 Training text: `--train-data`, else the `--calib` text; never `--data` (the text it is scored on).
 
@@ -33,7 +33,7 @@ from uptrain.cli import positive_int
 from uptrain.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "configs" / "paper" / "uptrain.yaml"  # the recipe study's choice (docs/uptrain.md)
+RECIPE = REPO / "configs" / "paper" / "uptrain.yaml"  # the frame (blocks, batch); its optim/distill: uptrain/train/recipe.py
 RUNTIMES = ("transformers", "llama.cpp")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # What the sweep sets on top of the recipe for each count (before the user's --uptrain-set): the
@@ -144,7 +144,15 @@ def uptrain_overrides(args: argparse.Namespace, source: Path, converted: Path, r
              f"budget.tokens={args.uptrain_tokens}", "budget.fraction=null", "budget.pretrain_tokens=null",
              f"distill.teacher={source}", "eval.at_start=false", "log.log_with=[]", "log.progress_bar=false",
              f"threads={args.threads if args.threads else 'null'}"]
-    return fixed + list(adapted) + list(args.uptrain_set)
+    return fixed + _recipe(args, source) + list(adapted) + list(args.uptrain_set)
+
+
+def _recipe(args: argparse.Namespace, source: Path) -> list[str]:
+    """The one recipe's overrides (uptrain/train/recipe.py, the demo's too) on the default frame; none
+    on a config of the user's (--uptrain-config: theirs is the recipe)."""
+    from uptrain.train.recipe import recipe_overrides
+
+    return recipe_overrides(str(source)) if args.uptrain_config == RECIPE else []
 
 
 def _sets(args: argparse.Namespace, key: str) -> bool:
@@ -178,7 +186,7 @@ def uptrain_config(args: argparse.Namespace, source: Path, converted: Path, run_
 def uptrain_settings(args: argparse.Namespace) -> dict:
     """What one count's uptraining is made with: a rerun keeps it only when these are the same."""
     recipe = args.uptrain_config.resolve()
-    return {"tokens": args.uptrain_tokens, "recipe": str(recipe),
+    return {"tokens": args.uptrain_tokens, "recipe": str(recipe), "recipe_overrides": _recipe(args, Path("SOURCE")),
             "recipe_sha1": hashlib.sha1(recipe.read_bytes()).hexdigest(),
             "train_data": str(training_text(args).resolve()), "overrides": list(args.uptrain_set),
             "scored_on": str(args.data.resolve()), "stories": args.stories}
@@ -247,8 +255,11 @@ def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: lis
 
     run_dir = args.out / f"{Path(point.folder).name}-uptrained"
     config = uptrain_config(args, source, Path(point.folder), run_dir, raw_config)
+    from uptrain.train.recipe import describe
+
     print(f"== {point.label}: uptrain {args.uptrain_tokens:,} tokens with {_shown(args.uptrain_config)} into "
           f"{run_dir} (training text {_shown(training_text(args))})", flush=True)
+    print(f"   {describe() if args.uptrain_config == RECIPE else 'recipe: ' + _shown(args.uptrain_config)}", flush=True)
     began = time.monotonic()
     mark(run_dir)
     try:
