@@ -13,7 +13,7 @@ import sys
 import time
 
 from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
-from train_helpers import DEMO, REPO, need_models, read_metrics, tiny_overrides, train_in_process
+from train_helpers import DEMO, REPO, VALID_TXT, need_models, read_metrics, tiny_overrides, train_in_process
 
 
 def test_every_validation_is_printed(tmp_path, capsys):
@@ -93,3 +93,37 @@ def test_the_step_0_and_final_validations_are_not_silent_in_a_log_file(tmp_path)
     assert any(line.startswith("train: still working") and "since step 0/" in line for line in lines[:at_start]), lines
     assert any(line.startswith("train: still working") and f"since step {steps}/{steps}" in line
                for line in lines[at_start:final]), lines
+
+
+def test_validation_runs_the_copy_probe_when_asked(tmp_path, capsys):
+    """eval.copy_passages N: each validation also reads passages of the validation text twice
+    (uptrain.measure.copy_probe in seq_len windows); val_copy_* in metrics.jsonl and in its line,
+    at step 0 the start model's own probe on the same blocks, against the teacher its share kept."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train_helpers import GQA4
+    from uptrain.measure.copy_probe import probe_model
+
+    need_models()
+    run_dir = tmp_path / "run"
+    train_in_process(tiny_overrides(run_dir, steps=2, **{"eval.copy_passages": 3, "eval.max_batches": 1,
+                                                         "distill.teacher": GQA4, "threads": 1}))
+    printed = capsys.readouterr().out
+    validations = [r for r in read_metrics(run_dir) if "val_loss" in r]
+    assert [r["step"] for r in validations] == [0, 2]
+    first = validations[0]
+    from transformers import AutoTokenizer
+
+    from uptrain.data import DataSource, documents
+    from uptrain.data.blocks import token_blocks
+
+    val = token_blocks(documents(DataSource(files=[str(VALID_TXT)])), AutoTokenizer.from_pretrained(GQA4), 64)
+    model = AutoModelForCausalLM.from_pretrained(GQA4).eval()
+    want = probe_model(model, [torch.tensor(r) for r in val.select(range(min(len(val), 64)))["input_ids"]], 64, 3)
+    assert first["val_copy_second_loss"] == pytest.approx(want["copy_second_loss"], abs=1e-5)
+    assert first["val_copy_top1"] == pytest.approx(want["copy_top1"])
+    assert first.get("val_copy_gain_kept") == (1.0 if want["copy_gain"] > 0 else None)  # the teacher is the model
+    line = f"step 0: val loss {first['val_loss']:.4f}"
+    assert any(l.startswith(line) and "copy probe: loss" in l for l in printed.splitlines()), printed

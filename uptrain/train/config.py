@@ -99,6 +99,9 @@ class EvalConfig:
     at_start: bool = True  # false: skip the step-0 validation (e.g. the converted model was scored already)
     max_batches: int | None = None  # cap on validation batches in total (all processes)
     batch_size: int | None = None  # defaults to batch.micro_batch
+    # the copy probe at each validation (uptrain.measure.copy_probe, on the validation text, seq_len windows):
+    # N passages per distance read twice; val_copy_* in metrics.jsonl and the validation line. 0: off
+    copy_passages: int = 0
 
 
 @dataclass
@@ -195,6 +198,7 @@ class TrainConfig:
              "eval.max_batches and eval.batch_size must be at least 1 (or null): validation must score tokens"),
             (self.eval.every >= 0 and self.checkpoint.every >= 0 and self.checkpoint.keep >= 1,
              "eval.every and checkpoint.every must be >= 0, checkpoint.keep >= 1"),
+            (self.eval.copy_passages >= 0, "eval.copy_passages must be >= 0 (0: no copy probe)"),
             (self.log.every >= 1, "log.every must be at least 1"),
             (self.shard in (None, "fsdp2"), f"shard must be fsdp2 or null, got {self.shard!r}"),
             (self.stop_grace_s is None or self.stop_grace_s > 0, "stop_grace_s must be > 0 seconds (or null)"),

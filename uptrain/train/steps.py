@@ -35,7 +35,7 @@ from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overru
 from uptrain.train.state.run_state import complete_checkpoints, save_checkpoint
 from uptrain.train.setup import lr_at
 from uptrain.train.model.trainable import set_trainable, trainable_at
-from uptrain.train.model.validate import validate_blocks, validation_line
+from uptrain.train.model.validate import validate_blocks, validation_copy_probe, validation_line
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -82,8 +82,12 @@ class Run:
         """Validation loss and perplexity of the model now (all processes take part); with a teacher,
         also its KL to the teacher and their top-1 agreement (`validate_blocks`)."""
         c = self.config
-        return validate_blocks(self.model, self.val_blocks, self.accelerator,
-                               c.eval.batch_size or c.batch.micro_batch, c.eval.max_batches, teacher=self.teacher)
+        record = validate_blocks(self.model, self.val_blocks, self.accelerator,
+                                 c.eval.batch_size or c.batch.micro_batch, c.eval.max_batches, teacher=self.teacher)
+        if c.eval.copy_passages:  # asked for: how well it retrieves from its context (uptrain.measure.copy_probe)
+            record |= validation_copy_probe(self.accelerator.unwrap_model(self.model), self.val_blocks,
+                                            c.data.seq_len, c.eval.copy_passages, self.teacher)
+        return record
 
 
 def train_steps(run: Run, start_step: int, batches: Iterator[dict], stop: StopRequest | None = None) -> dict:

@@ -80,4 +80,33 @@ def validation_line(step: int, record: dict) -> str:
     `step N: val loss L, ppl P`, with a teacher also its KL and top-1 agreement."""
     against = (f"; against the teacher: KL {record['val_kl_to_teacher']:.4f} nats/token, top-1 agreement "
                f"{record['val_top1_agreement']:.1%}" if "val_kl_to_teacher" in record else "")
-    return f"step {step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}{against}"
+    copied = (f"; copy probe: loss {record['val_copy_first_loss']:.3f} -> {record['val_copy_second_loss']:.3f} on "
+              f"the second reading, top-1 {record['val_copy_top1']:.1%}" if "val_copy_top1" in record else "")
+    return f"step {step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}{against}{copied}"
+
+
+COPY_BLOCKS = 64  # validation blocks the copy probe draws its passages from (the first ones)
+
+
+@torch.no_grad()
+def validation_copy_probe(model, val_blocks, seq_len: int, passages: int, teacher=None) -> dict:
+    """The copy probe (`uptrain.measure.copy_probe`) on the validation blocks' tokens in `seq_len`
+    windows: val_copy_first_loss / val_copy_second_loss / val_copy_top1, with a teacher also
+    val_copy_gain_kept (the model's gain over the teacher's). Every process runs the same passages
+    (sharded models need every rank in each forward); {} when the blocks are too short for one."""
+    from uptrain.measure.copy_probe import copy_against, probe_model
+
+    blocks = [torch.tensor(row) for row in val_blocks.select(range(min(len(val_blocks), COPY_BLOCKS)))["input_ids"]]
+    was_training = model.training
+    model.eval()
+    probe = probe_model(model, blocks, seq_len, passages)
+    if was_training:
+        model.train()
+    if probe is None:
+        return {}
+    record = {"val_copy_first_loss": probe["copy_first_loss"], "val_copy_second_loss": probe["copy_second_loss"],
+              "val_copy_top1": probe["copy_top1"]}
+    if teacher is not None:
+        kept = copy_against(probe, probe_model(teacher, blocks, seq_len, passages))["copy_gain_kept"]
+        record |= {"val_copy_gain_kept": kept} if kept is not None else {}  # None: the teacher gains nothing
+    return record
