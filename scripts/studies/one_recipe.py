@@ -111,11 +111,11 @@ def main() -> None:
 def report(records: list[dict]) -> None:
     """One row per cell; per model its loss (vs source) and KL; the mean rank over both scores."""
     models = sorted({r["model"] for r in records})
-    print("| cell | " + " | ".join(f"{m} loss (vs source) | {m} KL" for m in models) + " |")
+    print("| cell | " + " | ".join(f"{m} loss (- source, nats) | {m} KL" for m in models) + " |")
     print("|---" * (1 + 2 * len(models)) + "|")
     for cell in ["start", *CELLS]:
         rows = {r["model"]: r for r in records if r["cell"] == cell}
-        cells = [f"{rows[m]['loss']:.4f} ({rows[m]['loss_vs_source']:+.2%}) | {rows[m]['kl_to_source']:.4f}"
+        cells = [f"{rows[m]['loss']:.4f} ({rows[m]['loss_vs_source']:+.4f}) | {rows[m]['kl_to_source']:.4f}"
                  if m in rows else "— | —" for m in models]
         print(f"| {cell} | " + " | ".join(cells) + " |")
 
