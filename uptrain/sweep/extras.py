@@ -66,13 +66,27 @@ def add_extra_args(p: argparse.ArgumentParser) -> None:
                    "convert_hf_to_gguf.py (default $LLAMA_CPP_DIR)")
     b.add_argument("--outtype", choices=GGUF_TYPES, default="f16", help="--runtime llama.cpp: GGUF weight type")
     u = p.add_argument_group("uptraining per count (--uptrain-tokens)")
-    u.add_argument("--uptrain-tokens", type=_tokens, metavar="N", help="uptrain every converted folder for N "
-                   "tokens with the project's recipe, then score it again")
+    u.add_argument("--uptrain-tokens", type=_token_list, metavar="N[,N...]", help="uptrain every converted folder for N "
+                   "tokens with the project's recipe, then score it again; several budgets (A,B,C: one run each) "
+                   "also fit a loss-versus-tokens law per count and forecast the tokens to the bound")
     u.add_argument("--train-data", type=Path, help="training text of the uptraining (default: the --calib text; "
                    "never --data)")
     u.add_argument("--uptrain-config", type=Path, default=RECIPE, help="the recipe (a uptrain.train YAML)")
     u.add_argument("--uptrain-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the recipe, e.g. optim.lr=1e-3 (repeatable)")
+
+
+def _token_list(text: str) -> list[int]:
+    """argparse type: one or more comma-separated budgets (`_tokens` each), sorted, each once."""
+    return sorted({_tokens(part) for part in text.split(",") if part.strip()}) or [_tokens(text)]
+
+
+def split_budgets(args: argparse.Namespace) -> None:
+    """args.uptrain_budgets: every budget asked for (ascending); args.uptrain_tokens: the largest, the one
+    each point's own uptraining and the table use (None without --uptrain-tokens)."""
+    budgets = args.uptrain_tokens if isinstance(args.uptrain_tokens, list) else (
+        [] if args.uptrain_tokens is None else [args.uptrain_tokens])
+    args.uptrain_budgets, args.uptrain_tokens = budgets, (budgets[-1] if budgets else None)
 
 
 def _tokens(text: str) -> int:
@@ -100,7 +114,12 @@ def check_extras(args: argparse.Namespace, source: Path, raw_config: dict) -> No
     if args.bench:
         _check_bench(args, raw_config)
     if args.uptrain_tokens is not None:
-        uptrain_config(args, source, source, args.out / "check", raw_config)  # refusals only; nothing written
+        for budget in dict.fromkeys([args.uptrain_tokens, *getattr(args, "uptrain_budgets", [])]):  # refusals only
+            uptrain_config(_with_budget(args, budget), source, source, args.out / "check", raw_config)
+
+
+def _with_budget(args: argparse.Namespace, budget: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "uptrain_tokens": budget})
 
 
 def _apply(names: list[str]) -> str:
@@ -250,13 +269,26 @@ def _bench(args: argparse.Namespace, folder: Path, settings: dict) -> tuple[floa
 def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: list[str], max_length: int, stride: int,
                        raw_config: dict, settings: dict, mark: Callable[[Path], None]) -> None:
     """Uptrain `point`'s folder into OUT/<its folder>-uptrained/ and score model/ there; fills the point."""
-    from uptrain.measure.eval import evaluate_paths
-    from uptrain.train import train
-
     run_dir = args.out / f"{Path(point.folder).name}-uptrained"
-    config = uptrain_config(args, source, Path(point.folder), run_dir, raw_config)
+    result, finished, seconds = train_and_score(args, source, point, run_dir, texts, max_length, stride, raw_config,
+                                                mark)
+    point.loss_after_uptraining, point.perplexity_after_uptraining = result.loss, result.perplexity
+    point.fidelity_after_uptraining = fidelity_of(result)
+    point.uptrain_tokens, point.uptrain_steps = finished["tokens"], finished["steps"]
+    point.uptrain_seconds = seconds
+    point.uptrained_folder, point.uptrain_settings = str(run_dir / "model"), settings
+
+
+def train_and_score(args: argparse.Namespace, source: Path, point, run_dir: Path, texts: list[str], max_length: int,
+                    stride: int, raw_config: dict, mark: Callable[[Path], None]):
+    """Uptrain `point`'s converted folder for args.uptrain_tokens into `run_dir`, then score run_dir/model
+    as the point was scored: (EvalResult, finished.json, seconds)."""
+    from uptrain.measure.eval import evaluate_paths
+    from uptrain.measure.fidelity import GreedySettings
+    from uptrain.train import train
     from uptrain.train.recipe import describe
 
+    config = uptrain_config(args, source, Path(point.folder), run_dir, raw_config)
     print(f"== {point.label}: uptrain {args.uptrain_tokens:,} tokens with {_shown(args.uptrain_config)} into "
           f"{run_dir} (training text {_shown(training_text(args))})", flush=True)
     print(f"   {describe() if args.uptrain_config == RECIPE else 'recipe: ' + _shown(args.uptrain_config)}", flush=True)
@@ -268,17 +300,13 @@ def _uptrain_and_score(args: argparse.Namespace, source: Path, point, texts: lis
         at_once.end_after_training_stop(err)
         raise
     finished = json.loads((run_dir / "finished.json").read_text())
-    from uptrain.measure.fidelity import GreedySettings
     greedy = GreedySettings(**point.settings["scoring"]["fidelity"])  # as the point itself was scored
     (result,) = evaluate_paths([str(run_dir / "model")], texts, max_length, stride, reference=str(source),
                                greedy=greedy)
-    point.loss_after_uptraining, point.perplexity_after_uptraining = result.loss, result.perplexity
-    point.fidelity_after_uptraining = fidelity_of(result)
-    point.uptrain_tokens, point.uptrain_steps = finished["tokens"], finished["steps"]
-    point.uptrain_seconds = round(time.monotonic() - began, 3)
-    point.uptrained_folder, point.uptrain_settings = str(run_dir / "model"), settings
+    seconds = round(time.monotonic() - began, 3)
     print(f"   {point.label} after {finished['tokens']:,} tokens: loss {point.loss:.4f} -> {result.loss:.4f} "
-          f"({point.uptrain_seconds:.0f} s)", flush=True)
+          f"({seconds:.0f} s)", flush=True)
+    return result, finished, seconds
 
 
 def _shown(path: Path) -> str:

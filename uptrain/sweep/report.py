@@ -119,11 +119,13 @@ def report(args, points: list, method: str, vocab_size: int, start_note: str | N
               "exactly, and the share of the source's loss gain on the second reading kept (uptrain.measure.copy_probe)")
     for line in notes(points):
         print(line)
-    said = warnings(points, vocab_size)
+    for p in points:  # --uptrain-tokens A,B,C: the tokens each count needs to the bound (uptrain.sweep.forecast)
+        if getattr(p, "forecast", None):
+            print(f"forecast: {p.forecast['line']}")
+    said = warnings(points, vocab_size)  # the loss cannot be read at face value (they decide what recommends)
     from uptrain.measure.copy_probe import copy_warning
 
-    said += [w for p in points[1:] if (w := copy_warning(_name(p), asdict(p)))]
-    for line in said:
+    for line in [*said, *(w for p in points[1:] if (w := copy_warning(_name(p), asdict(p))))]:
         print(line)
     for metric, name in PLOTS.items():
         plot_sweep([asdict(p) for p in points], args.out / name, metric=metric)

@@ -16,7 +16,8 @@ from uptrain.convert.options import ConversionOptions, add_conversion_args, conv
 from uptrain.errors import UsageError, exit_on_usage_error
 from uptrain.sweep import AS_IT_WAS
 from uptrain.sweep import __doc__ as SWEEP_DOC
-from uptrain.sweep.extras import add_extra_args, check_extras, fidelity_of, run_extras
+from uptrain.sweep.curve import run_curves
+from uptrain.sweep.extras import add_extra_args, check_extras, fidelity_of, run_extras, split_budgets
 from uptrain.sweep.record import MARK, SweepFolder, changes, folder_fingerprint
 from uptrain.sweep.report import print_estimate, recommend, report  # noqa: F401 (recommend: public here too)
 from uptrain.measure.kv_cache import add_kv_cache_arg
@@ -64,6 +65,9 @@ class Point:
     copy_gain_kept: float | None = None  # (first - second loss) / the source's
     source_copy_top1: float | None = None
     fidelity_after_uptraining: dict | None = None  # the fields above from kl_to_source, of the uptrained model
+    # --uptrain-tokens A,B,C (`extras.py`): one run per budget from the converted folder, and the law fitted to them
+    uptrain_curve: list | None = None  # [{tokens, loss, kl_to_source, folder, settings}] per budget
+    forecast: dict | None = None  # `forecast.py`: tokens to the bound, its interval, what it rests on
     kv_cache: str = "model"  # the K/V cache format it was scored with (`precision.py`, uptrain.measure.kv_cache)
 
 
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
         at_once.install("uptrain.sweep", AS_IT_WAS)
     args = _parser().parse_args(argv)
+    split_budgets(args)  # --uptrain-tokens A,B,C: the largest is the point's uptraining, all feed the forecast
     options = _check_args(args)
     sweep = _open_out(args)
     from uptrain.convert.io.hfconfig import model_shape, source_family  # torch and transformers: seconds
@@ -207,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             sweep.write([asdict(p) for p in points])
     _for_this_run(points, args.batch, shape.kv_heads)
     write = lambda *_: sweep.write([asdict(p) for p in points])  # noqa: E731 (every point, whichever changed)
-    run_extras(args, folder, [p for p in points if p.kv_cache == "model"], texts, max_length, stride, raw, write,
-               sweep.mark)  # decode speed and uptraining: once per model, at its own dtype
+    models = [p for p in points if p.kv_cache == "model"]  # decode speed and uptraining: once per model, its own dtype
+    run_extras(args, folder, models, texts, max_length, stride, raw, write, sweep.mark)
+    if len(args.uptrain_budgets) > 1:  # --uptrain-tokens A,B,C: a run per budget, and each count's forecast
+        run_curves(args, folder, models, texts, max_length, stride, raw, write, sweep.mark)
     score_after_uptraining(points, texts, max_length, stride, folder, content, write)
     sweep.write([asdict(p) for p in points])
     report(args, points, jobs[0][0], _vocab_size(raw), jobs[0][1].start_note(), refused)
