@@ -236,7 +236,8 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
         models = models + [(f"{label}, {cache.name} cache", path) for label, path in models]
     kv = [r.kv_bytes_per_token for r in results]
     table = [[label, f"{r.loss:.3f}", f"{r.perplexity:.2f}", f"{r.kl_to_source:.4f}", f"{r.top1_agreement:.1%}",
-              greedy_cell(r.greedy_agreement, r.greedy_agreement_se), *copy_cells(r), f"{b:,.4g} B", f"{kv[0] / b:.3g}x"]
+              greedy_cell(r.greedy_agreement, r.greedy_agreement_se), *copy_cells(r), f"{b:,.4g} B",
+              f"{kv[0] / b:.3g}x"]
              for (label, _), r, b in zip(models, results, kv)]
     print(f"\nHeld-out loss on {what}, {max_length}-token windows, stride {stride}: the model's context, as "
           "uptrain.eval scores):\n")
@@ -244,9 +245,10 @@ def report(models: list[tuple[str, Path]], valid: list[str], what: str, max_leng
                         *COPY_COLUMNS, "KV cache / token", "KV reduction"], table))
     copied = results[0]
     if copied.copy_gain is not None:
-        print(f"\n(copy: a passage of {copied.copy_passage} tokens read again after {'/'.join(map(str, copied.copy_distances))} "
-              "tokens of other text: the loss of the second reading, its top-1, and the share of the source's "
-              "gain from the first reading to the second that the model keeps; uptrain.measure.copy_probe)")
+        distances = "/".join(map(str, copied.copy_distances))
+        print(f"\n(copy: a passage of {copied.copy_passage} tokens read again after {distances} tokens of other text: "
+              "the loss of the second reading, its top-1, and the share of the source's gain from the first reading "
+              "to the second that the model keeps; uptrain.measure.copy_probe)")
     print(f"\n({fidelity_note(results)}: how closely each model behaves like the source, which the loss alone "
           "does not say)")
     rows = [(label, r.loss, r.loss_vs_source, r.loss_vs_source_se) for (label, _), r in zip(models[1:], results[1:])]

@@ -170,9 +170,10 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
           + (f": continues from {resume[-1].name} of the stopped run" if resume else ""), flush=True)
     from uptrain.train.recipe import describe
 
-    print(f"   {describe(args.alpha_kd)}" + ("; better: 1/3 of your model's own pre-training peak (model card), set "
-          "with optim.lr=X, or measure: scripts/lr_sweep.py" if args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides)
-          else ""), flush=True)
+    own_lr = args.model is not None and not any(o.startswith("optim.lr=") for o in args.overrides)
+    better = ("; better: 1/3 of your model's own pre-training peak (model card), set with optim.lr=X, or measure: "
+              "scripts/lr_sweep.py") if own_lr else ""
+    print(f"   {describe(args.alpha_kd)}{better}", flush=True)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir)
     if resume:  # the stopped run's own state: resumed, not replaced
         overrides = [o for o in overrides if o != "overwrite=true"] + ["resume=latest"]
