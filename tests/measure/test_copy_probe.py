@@ -110,3 +110,21 @@ def test_eval_reports_the_probe_beside_the_source_and_warns_below_it(tmp_path, c
     dropped = source["copy_top1"] - converted["copy_top1"] > 0.05
     assert dropped == any("copy top-1" in w for w in converted["warnings"]) == (f"{mqa}: copy top-1" in printed)
     assert not math.isnan(converted["copy_second_loss"])
+
+
+def test_the_shipped_copy_model_copies_and_stories260K_barely_does():
+    """examples/copy-mha8 (issue 59): the second reading of a passage right after the first is scored at
+    under a fifth of the first's loss; stories260K-mha8 gains little (the model the copy columns need)."""
+    from conftest import REPO
+
+    texts = read_documents(DataSource(files=[str(VALID_TXT)]))
+    for name, most in (("copy-mha8", 0.2), ("stories260K-mha8", 1.0)):
+        model = AutoModelForCausalLM.from_pretrained(REPO / "examples" / name).eval()
+        tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / name)
+        got = probe_model(model, [torch.tensor(tokenizer(t)["input_ids"]) for t in texts], 512, passages=4)
+        at_once = got["copy_by_distance"]["0"]
+        assert at_once["second_loss"] < most * at_once["first_loss"], (name, at_once)
+        if name == "copy-mha8":
+            assert at_once["top1"] > 0.85 and model.config.num_key_value_heads == model.config.num_attention_heads
+        else:
+            assert at_once["second_loss"] > 0.7 * at_once["first_loss"]
