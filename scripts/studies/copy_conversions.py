@@ -35,6 +35,10 @@ STARTS = {
 }
 STARTS["refine-contiguous"] = ["--method", "fit", "--grouping", "contiguous", "--calib", str(TRAIN), "--calib-tokens",
                                "16384", "--refine"]  # the grouping lever: heads 0-3 and 4-7 share, whatever they do
+STARTS["refine-1200"] = [*STARTS["refine"], "--refine-steps", "1200"]  # three times the default's steps
+SAMPLES = REPO / "runs" / "copy-conversions" / "copy-samples.jsonl"  # python -m uptrain.train.samples MODEL --tokens 32768
+STARTS["refine-samples"] = ["--method", "fit", "--grouping", "similar", "--calib", str(SAMPLES), "--calib-tokens",
+                            "16384", "--refine"]  # calibrated on the model's own text (its repeats included)
 REPEATS = REPO / "runs" / "copy-conversions" / "calib-repeats.txt"  # made by `repeats_text`
 STARTS["refine-repeats"] = ["--method", "fit", "--grouping", "similar", "--calib", str(REPEATS), "--calib-tokens",
                             "16384", "--refine"]
