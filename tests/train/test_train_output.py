@@ -43,6 +43,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _slowed_run(args: list[str], every: float, slow: float) -> subprocess.Popen:
+    """The trainer on configs/demo-cpu.yaml + `args`, its validation slowed by `slow` s, progress lines
+    every `every` s, stdout and stderr to one pipe (a log file's view)."""
+    env = {**os.environ, "UPTRAIN_PROGRESS_EVERY": str(every), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", _SLOWED.format(slow=slow), str(DEMO), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
 def test_a_log_file_gets_plain_lines_at_the_interval_and_no_carriage_returns(tmp_path):
     """UPTRAIN_PROGRESS_EVERY=1 (the tests' interval; 10 s by default), stdout and stderr to one pipe:
     no carriage return anywhere, a progress line at least every second (plus scheduling slack) from
@@ -52,9 +60,7 @@ def test_a_log_file_gets_plain_lines_at_the_interval_and_no_carriage_returns(tmp
     args = tiny_overrides(tmp_path / "run", steps=steps, **{"eval.every": 20, "eval.at_start": "false",
                                                             "eval.max_batches": 1, "log.progress_bar": "true",
                                                             "threads": 1})
-    env = {**os.environ, "UPTRAIN_PROGRESS_EVERY": str(every), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", _SLOWED.format(slow=slow), str(DEMO), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = _slowed_run(args, every, slow)
     timed = [(time.monotonic(), line) for line in iter(proc.stdout.readline, b"")]
     assert proc.wait(timeout=120) == 0, b"".join(line for _, line in timed).decode()[-3000:]
     output = b"".join(line for _, line in timed)
@@ -83,11 +89,10 @@ def test_the_step_0_and_final_validations_are_not_silent_in_a_log_file(tmp_path)
     args = tiny_overrides(tmp_path / "run", steps=steps, **{"eval.every": 0, "eval.at_start": "true",
                                                             "eval.max_batches": 1, "log.progress_bar": "true",
                                                             "threads": 1})
-    env = {**os.environ, "UPTRAIN_PROGRESS_EVERY": str(every), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _SLOWED.format(slow=slow), str(DEMO), *args], cwd=REPO, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:]
-    lines = done.stdout.splitlines()
+    proc = _slowed_run(args, every, slow)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 0, output[-3000:]
+    lines = output.splitlines()
     at_start = lines.index(next(line for line in lines if line.startswith("step 0: val loss ")))
     final = lines.index(next(line for line in lines if line.startswith(f"step {steps}: val loss ")))
     assert any(line.startswith("train: still working") and "since step 0/" in line for line in lines[:at_start]), lines

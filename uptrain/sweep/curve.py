@@ -54,8 +54,7 @@ def run_curves(args: argparse.Namespace, source: Path, points: list, texts: list
 def forecast_point(point, source_loss: float, max_increase: float) -> dict:
     """The point's forecast to within `max_increase` of the source's loss, from its curve's budgets."""
     asked = point.uptrain_curve
-    tokens = [e["tokens"] for e in asked]
-    gaps = [e["loss"] - source_loss for e in asked]
+    tokens, gaps = [e["tokens"] for e in asked], [e["loss"] - source_loss for e in asked]
     target = max_increase * source_loss
     what = f"{point.label} to within {max_increase:.1%} of the source's loss"
     done = [e for e in asked if e["loss"] - source_loss <= target]

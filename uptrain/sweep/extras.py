@@ -166,12 +166,15 @@ def uptrain_overrides(args: argparse.Namespace, source: Path, converted: Path, r
     return fixed + _recipe(args, source) + list(adapted) + list(args.uptrain_set)
 
 
-def _recipe(args: argparse.Namespace, source: Path) -> list[str]:
-    """The one recipe's overrides (uptrain/train/recipe.py, the demo's too) on the default frame; none
-    on a config of the user's (--uptrain-config: theirs is the recipe)."""
-    from uptrain.train.recipe import recipe_overrides
+def _recipe(args: argparse.Namespace, source: Path | None) -> list[str]:
+    """The one recipe's overrides (uptrain/train/recipe.py, the demo's too) on the default frame, the
+    teacher `source` (None: the recipe's settings alone, as a rerun's record compares them); none on a
+    config of the user's (--uptrain-config: theirs is the recipe)."""
+    from uptrain.train.recipe import RECIPE as ONE_RECIPE, recipe_overrides
 
-    return recipe_overrides(str(source)) if args.uptrain_config == RECIPE else []
+    if args.uptrain_config != RECIPE:
+        return []
+    return recipe_overrides(str(source)) if source is not None else [f"{k}={v}" for k, v in ONE_RECIPE.items()]
 
 
 def _sets(args: argparse.Namespace, key: str) -> bool:
@@ -205,7 +208,7 @@ def uptrain_config(args: argparse.Namespace, source: Path, converted: Path, run_
 def uptrain_settings(args: argparse.Namespace) -> dict:
     """What one count's uptraining is made with: a rerun keeps it only when these are the same."""
     recipe = args.uptrain_config.resolve()
-    return {"tokens": args.uptrain_tokens, "recipe": str(recipe), "recipe_overrides": _recipe(args, Path("SOURCE")),
+    return {"tokens": args.uptrain_tokens, "recipe": str(recipe), "recipe_overrides": _recipe(args, None),
             "recipe_sha1": hashlib.sha1(recipe.read_bytes()).hexdigest(),
             "train_data": str(training_text(args).resolve()), "overrides": list(args.uptrain_set),
             "scored_on": str(args.data.resolve()), "stories": args.stories}
