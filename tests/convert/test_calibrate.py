@@ -37,7 +37,7 @@ def test_moments_are_those_of_the_normed_layer_inputs(one_torch_thread):
     seqs = documents(EXAMPLE_MHA8, tokens)
     assert all(s.shape[1] <= model.config.max_position_embeddings for s in seqs) and len(seqs) > 2
     hidden = [model(ids, output_hidden_states=True).hidden_states for ids in seqs]
-    calibration = Calibration(TRAIN_TXT, tokens).bind(EXAMPLE_MHA8)
+    calibration = Calibration(TRAIN_TXT, tokens, layout="documents").bind(EXAMPLE_MHA8)  # one pass per document
     for i, layer in enumerate(model.model.layers):
         x = torch.cat([layer.input_layernorm(h[i])[0] for h in hidden]).double()
         x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
@@ -178,7 +178,7 @@ def test_the_source_loss_is_skipped_where_its_head_would_not_fit(tmp_path, monke
     import uptrain.convert.layers.layer_stream as stream
 
     monkeypatch.setattr(stream, "available_memory", lambda: 4 * 2**20)  # 1 MiB for a 2.2 MiB head + logits
-    calibration = Calibration(TRAIN_TXT, 1024)
+    calibration = Calibration(TRAIN_TXT, 1024, layout="documents")  # whole stories: the longest logits
     convert(str(EXAMPLE_MHA8), tmp_path / "fit", 2, "fit", calibration=calibration)
     assert "source_loss" not in calibration.record
     assert "exceed a quarter of the memory available" in calibration.record["source_loss_not_measured"]

@@ -100,7 +100,7 @@ def test_calibration_sequences_name_each_window_s_document():
     """The windows of document d, in order, are its tokens (the last document cut to the tokens wanted)."""
     texts = read_calibration_texts(TRAIN_TXT)
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MHA8)
-    sequences, documents, used, docs = calibration_sequences(texts, tokenizer, 5000, 128)
+    sequences, documents, used, docs = calibration_sequences(texts, tokenizer, 5000, 128, "documents")
     assert len(documents) == len(sequences) and documents == sorted(documents) and len(set(documents)) == docs
     assert sum(map(len, sequences)) == used == 5000
     for d in set(documents):

@@ -52,8 +52,8 @@ def with_tokenizer(folder: Path) -> Path:
 @torch.no_grad()
 def reference_moments(folder: Path, text: Path, tokens: int) -> dict[str, torch.Tensor]:
     """The calibration as it was before streaming, written out here: the whole float32 model, one
-    forward per document window, hooks on q_proj/qkv_proj summing [x; 1][x; 1]ᵀ in float64."""
-    from uptrain.convert.layers.calibrate import WINDOW, read_calibration_texts
+    forward per calibration window, hooks on q_proj/qkv_proj summing [x; 1][x; 1]ᵀ in float64."""
+    from uptrain.convert.layers.calibrate import WINDOW, calibration_sequences, read_calibration_texts
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -71,14 +71,9 @@ def reference_moments(folder: Path, text: Path, tokens: int) -> dict[str, torch.
             if name.endswith("." + leaf):
                 module.register_forward_pre_hook(hook(name[: -len(leaf)]))
     window = min(WINDOW, model.config.max_position_embeddings)
-    used = 0
-    for doc in read_calibration_texts(text):
-        ids = tokenizer(doc)["input_ids"][: tokens - used]
-        for begin in range(0, len(ids), window):
-            model(input_ids=torch.tensor([ids[begin:begin + window]]), use_cache=False)
-        used += len(ids)
-        if used >= tokens:
-            break
+    # the default windows (`calibration_sequences`, tested on their own in test_calib_windows.py)
+    for ids in calibration_sequences(read_calibration_texts(text), tokenizer, tokens, window)[0]:
+        model(input_ids=torch.tensor([ids]), use_cache=False)
     return {k: s / counts[k] for k, s in sums.items()}
 
 

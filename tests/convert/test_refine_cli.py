@@ -162,7 +162,8 @@ def test_key_norms_that_carry_kv_heads_are_refined_with_their_layer(kind, tmp_pa
     (["--refine", *CALIB, "--refine-steps", "0"], "--refine-steps must be at least 1"),
     (["--refine", *CALIB, "--refine-lr", "0"], "--refine-lr must be positive"),
     (["--refine", *CALIB, "--method", "random"], "use --method fit or mean, not random"),
-    (["--refine", "--calib", str(TRAIN_TXT), "--calib-tokens", "50"], "--refine needs at least 2 calibration"),
+    (["--refine", "--calib", str(TRAIN_TXT), "--calib-tokens", "50", "--calib-windows", "documents"],
+     "--refine needs at least 2 calibration"),
 ])
 def test_refusals(argv, message, tmp_path, capsys):
     assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", *argv, "--out", str(tmp_path / "out")]) == 2

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from uptrain.convert.registry.choices import (CALIB_HAS_NO_EFFECT, GROUPINGS, METHODS, REFINE_INPUTS,
+from uptrain.convert.registry.choices import (CALIB_HAS_NO_EFFECT, CALIB_WINDOWS, GROUPINGS, METHODS, REFINE_INPUTS,
                                              REFINE_NOT_RANDOM, SIMILAR_NOT_RANDOM, calibration_applies)
 from uptrain.data.source import TEXT_UNITS, DataSource
 from uptrain.errors import UsageError
@@ -36,6 +36,7 @@ class ConversionOptions:
 
     method / grouping: `--method`, `--grouping`; calib: `--calib` text (None: none given);
     calib_tokens / calib_text_unit: how much of it and how a .txt file is cut into documents;
+    calib_windows: how it is cut into forward passes (`calibrate.calibration_sequences`);
     refine, refine_steps, refine_lr, refine_inputs: `--refine` and its settings; seed: `--method
     random`'s; device: the calibration pass's torch device.
     """
@@ -45,6 +46,7 @@ class ConversionOptions:
     calib: Path | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
     calib_text_unit: str = DataSource.text_unit
+    calib_windows: str = CALIB_WINDOWS[0]
     refine: bool = False
     refine_steps: int = DEFAULT_REFINE_STEPS
     refine_lr: float = DEFAULT_REFINE_LR
@@ -106,6 +108,7 @@ class ConversionOptions:
                 "calib": str(self.calib.resolve()) if calibrated else None,
                 "calib_tokens": self.calib_tokens if calibrated else None,
                 "calib_text_unit": self.calib_text_unit if calibrated else None,
+                "calib_windows": self.calib_windows if calibrated else None,
                 "refine": self.refine,
                 "refine_steps": self.refine_steps if self.refine else None,
                 "refine_lr": self.refine_lr if self.refine else None,
@@ -118,7 +121,7 @@ class ConversionOptions:
             return None
         from uptrain.convert.layers.calibrate import Calibration
 
-        return Calibration(self.calib, self.calib_tokens, self.device, self.calib_text_unit)
+        return Calibration(self.calib, self.calib_tokens, self.device, self.calib_text_unit, self.calib_windows)
 
     def refine_settings(self, log: Callable[[str], None] | None = None) -> Any:
         """The `RefineSettings` of `--refine` (None without it); `log` gets a line per refined layer."""
@@ -146,6 +149,10 @@ def add_conversion_args(p: argparse.ArgumentParser, calib_help: str = "") -> Non
                         "blank line; default, as the trainer's data.*.text_unit), a line or the whole file")
     p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
                    help=f"tokens of --calib to run (default {DEFAULT_CALIB_TOKENS})")
+    p.add_argument("--calib-windows", choices=CALIB_WINDOWS, default=CALIB_WINDOWS[0],
+                   help="repeats (default): documents joined as the trainer packs them, each forward pass a "
+                        "passage, up to a window of text, the passage again, so the heads that copy are fitted "
+                        "at work (results/copy-conversions.md); documents: one document per pass, as before")
     p.add_argument("--refine", action="store_true",
                    help="after the closed-form start (fit, or mean where fit refuses the family), tune each layer's "
                         "attention weights with Adam so its output matches the original layer's on --calib text")
@@ -164,5 +171,5 @@ def add_conversion_args(p: argparse.ArgumentParser, calib_help: str = "") -> Non
 def conversion_options(args: argparse.Namespace) -> ConversionOptions:
     """The `ConversionOptions` of parsed `add_conversion_args` options."""
     return ConversionOptions(args.method, args.grouping, args.calib, args.calib_tokens, args.calib_text_unit,
-                             args.refine, args.refine_steps, args.refine_lr, args.refine_inputs, args.seed,
+                             args.calib_windows, args.refine, args.refine_steps, args.refine_lr, args.refine_inputs, args.seed,
                              args.device)

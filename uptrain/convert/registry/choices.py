@@ -14,6 +14,7 @@ Grouping = Literal["contiguous", "similar"]
 GROUPINGS: tuple[Grouping, ...] = ("contiguous", "similar")
 RefineInputs = Literal["original", "converted"]
 REFINE_INPUTS: tuple[RefineInputs, ...] = ("original", "converted")  # --refine-inputs: see convert/refine.py
+CALIB_WINDOWS = ("repeats", "documents")  # --calib-windows, the default first: see calibrate.calibration_sequences
 QKVLayout = Literal["blocks", "grouped"]  # fused q/k/v rows: see heads.split_qkv
 
 SIMILAR_NOT_RANDOM = ("--grouping similar has no effect with --method random (K/V are re-initialised); "
