@@ -6,15 +6,19 @@ Every block is full, so a batch has no padding and every position after the firs
 A streaming source goes through the same packing lazily, block by block.
 
 The on-disk cache is keyed by the documents' fingerprint, the tokenizer's content (its
-serialized form and special tokens, not its folder name) and `PACKING_VERSION`, so a different
-tokenizer saved in the same folder, or a change to the packing code, never reuses old blocks.
+serialized form and special tokens, not its folder name), `PACKING_VERSION` and the share of blocks
+read again (`read_again`), so a different tokenizer saved in the same folder, a change to the
+packing code or another share never reuses old blocks.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import itertools
 import json
+import random
+import zlib
 
 import datasets
 from transformers import PreTrainedTokenizerBase
@@ -29,8 +33,27 @@ PACKING_VERSION = 2
 _MAP_BATCH = 1000
 
 
-def _packer(tokenizer: PreTrainedTokenizerBase, seq_len: int):
-    """The batched map function: documents' tokens, each followed by EOS, cut into full blocks."""
+def read_again(block: list[int], share: float) -> list[int]:
+    """`block`, or for a `share` of blocks the same text with a passage read again (copy-aware
+    training: the model sees a repeat as far back as the block reaches, which plain text of short
+    stories never shows it; results/copy-conversions.md): P = len // 8 tokens from the block's start,
+    the next g tokens (g uniform in 0..len - 2P), the passage again, then the text that followed,
+    cut to the block's length. Whether and where are drawn from the block's own tokens (crc32), so
+    every process, every resume and a streamed source draw the same."""
+    if share <= 0 or len(block) < 2:
+        return block
+    rng = random.Random(zlib.crc32(array.array("q", block).tobytes()))
+    if rng.random() >= share:
+        return block
+    n = len(block)
+    p = max(1, n // 8)
+    g = rng.randint(0, n - 2 * p)
+    return block[:p + g] + block[:p] + block[p + g:n - p]
+
+
+def _packer(tokenizer: PreTrainedTokenizerBase, seq_len: int, repeats: float = 0.0):
+    """The batched map function: documents' tokens, each followed by EOS, cut into full blocks (a
+    `repeats` share of them with a passage read again: `read_again`)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UsageError("the tokenizer has no EOS token; packing needs one to separate documents")
@@ -41,7 +64,7 @@ def _packer(tokenizer: PreTrainedTokenizerBase, seq_len: int):
             stream.extend(ids)
             stream.append(eos)
         n_blocks = len(stream) // seq_len
-        return {"input_ids": [stream[i * seq_len:(i + 1) * seq_len] for i in range(n_blocks)]}
+        return {"input_ids": [read_again(stream[i * seq_len:(i + 1) * seq_len], repeats) for i in range(n_blocks)]}
 
     return tokenize_and_pack
 
@@ -51,20 +74,23 @@ def token_blocks(
     tokenizer: PreTrainedTokenizerBase,
     seq_len: int,
     num_proc: int | None = None,
+    repeats: float = 0.0,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """Tokenize the "text" column and pack it into a dataset with one column "input_ids".
 
-    Each row is a list of `seq_len` ints: documents' tokens, each followed by EOS, concatenated.
+    Each row is a list of `seq_len` ints: documents' tokens, each followed by EOS, concatenated
+    (`repeats`: the share of blocks with a passage read again, `read_again`; training only).
     A streaming (iterable) dataset is packed lazily, in the same map batches, so it gives the
     same blocks in the same order as the same text loaded whole.
     """
-    tokenize_and_pack = _packer(tokenizer, seq_len)
+    tokenize_and_pack = _packer(tokenizer, seq_len, repeats)
     if isinstance(texts, datasets.IterableDataset):
         return texts.map(tokenize_and_pack, batched=True, batch_size=_MAP_BATCH, remove_columns=["text"])
     # An explicit fingerprint keeps the cache hit stable: hashing a tokenizer object is not
     # always deterministic across processes, which would re-tokenize on every run.
-    key = hashlib.sha256(
-        f"{texts._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{seq_len}|{_MAP_BATCH}|{PACKING_VERSION}".encode()
+    key = hashlib.sha256((
+        f"{texts._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{seq_len}|{_MAP_BATCH}|{PACKING_VERSION}"
+        + (f"|repeats {repeats!r}" if repeats else "")).encode()
     ).hexdigest()[:32]
     return texts.map(
         tokenize_and_pack,

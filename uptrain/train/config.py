@@ -32,6 +32,8 @@ class DataConfig:
     repeat_data: bool = False  # loop over the data when the budget needs more (reshuffled per epoch; a
     # stream restarts in order, or reshuffled by seed + epoch with shuffle_buffer)
     shuffle_buffer: int = 0  # streaming train source: seeded buffer shuffle of blocks (0: stream order)
+    copy_repeats: float = 0.0  # share of training blocks with a passage read again (uptrain.data.blocks.read_again:
+    # copy-aware uptraining for a source whose heads copy across its context; validation blocks never)
     num_proc: int | None = None  # worker processes for tokenization (datasets.map)
 
 
@@ -179,6 +181,7 @@ class TrainConfig:
             (self.resume in (None, "latest") or Path(self.resume).is_dir(),
              f"resume must be 'latest' or an existing checkpoint folder, got {self.resume!r}"),
             (self.data.seq_len >= 2, "data.seq_len must be at least 2"),
+            (0 <= self.data.copy_repeats <= 1, f"data.copy_repeats must be in [0, 1], got {self.data.copy_repeats}"),
             (0.0 <= self.data.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
             (self.data.val is not None or self.data.val_fraction > 0,
              "no validation set: give data.val or data.val_fraction > 0"),

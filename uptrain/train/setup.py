@@ -108,7 +108,7 @@ def build_data(
             train_docs, val_docs = split_documents(train_docs, d.val_fraction, config.seed)
         else:
             val_docs = documents(d.val, "data.val.text_field")
-        train = token_blocks(train_docs, tokenizer, d.seq_len, d.num_proc)
+        train = token_blocks(train_docs, tokenizer, d.seq_len, d.num_proc, d.copy_repeats)
         val = token_blocks(val_docs, tokenizer, d.seq_len, d.num_proc)
         if d.val is not None and d.val.streaming:
             val = first_blocks(val, config.eval.max_batches * (config.eval.batch_size or config.batch.micro_batch))
