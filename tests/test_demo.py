@@ -284,3 +284,31 @@ def test_convert_and_the_sweep_warn_when_the_calibration_text_is_shorter_than_as
     assert sweep_main([str(EXAMPLE_MHA8), "--data", str(valid), "--kv-heads", "2", "--method", "fit", "--calib",
                        str(short), "--calib-tokens", "4096", "--threads", "1", "--out", str(tmp_path / "sweep")]) == 0
     assert re.search(r"warning: calibrated on \d+ tokens, not the 4,096 asked", capsys.readouterr().out)
+
+
+def test_a_source_that_copies_across_its_window_is_uptrained_in_blocks_of_it(tmp_path, capsys):
+    """examples/copy-mha8 reads a passage again 191 tokens later almost for free: the demo's uptraining
+    trains it in blocks of its 512-token window (2 a micro-batch, the same tokens a step; half of them
+    with a passage read again), where the config's 128-token blocks would never show it a repeat that
+    far (results/copy-conversions.md);
+    stories260K-mha8 barely copies and keeps the config's blocks. A user's data.seq_len decides alone."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from uptrain.demo.steps import training_blocks
+
+    copier = EXAMPLE_MHA8.parent / "copy-mha8"
+    assert main(["--model", str(copier), "--out", str(tmp_path / "demo"), "--calib-tokens", "2048",
+                 "--refine-steps", "10", "--tasks", "none", "--stories", "2", "budget.tokens=4096",
+                 "log.progress_bar=false"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"training blocks: 512 tokens, 2 per micro-batch, 50% of them with a passage read again "
+                     r"\(data.copy_repeats\): the source copies across its window .* 191 tokens later removes "
+                     r"(8\d|9\d)% of its loss", out)
+    run = yaml.safe_load((tmp_path / "demo" / "uptrain" / "run.yaml").read_text())
+    assert (run["data"]["seq_len"], run["batch"]["micro_batch"], run["data"]["copy_repeats"]) == (512, 2, 0.5)
+    assert training_blocks(SimpleNamespace(overrides=[]), EXAMPLE_MHA8, TRAIN_TXT) == []
+    assert re.search(r"training blocks: 128 tokens \(the config's\): .* removes \d% of its loss", capsys.readouterr().out)
+    assert training_blocks(SimpleNamespace(overrides=["data.seq_len=256"]), copier, TRAIN_TXT) == []
+    assert capsys.readouterr().out == ""  # the user's blocks: no probe, no line

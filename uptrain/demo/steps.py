@@ -116,13 +116,30 @@ def samples_step(args, source: Path, record: DemoRecord) -> list[str]:
 
 
 def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, valid_path: Path, threads: int,
-                      run_dir: Path) -> list[str]:
-    """The key=value overrides of configs/demo-cpu.yaml for this demo (the user's last)."""
+                      run_dir: Path, frame: list[str] = ()) -> list[str]:
+    """The key=value overrides of configs/demo-cpu.yaml for this demo (`frame`: `frame.block_frame`'s; the
+    user's last)."""
     from uptrain.train.recipe import recipe_overrides
 
     return [f"model={converted}", f"run_dir={run_dir}", "overwrite=true", f"data.train.files=[{train_text}]",
             f"data.val.files=[{valid_path}]", *recipe_overrides(str(source), args.alpha_kd), f"threads={threads}",
-            *args.overrides]
+            *frame, *args.overrides]
+
+
+def training_blocks(args, source: Path, train_text: Path) -> list[str]:
+    """The uptraining's block overrides (`frame.block_frame`: the source's window where it copies across
+    it), with its line; none where the user set data.seq_len or batch.micro_batch."""
+    from uptrain.demo.frame import block_frame
+    from uptrain.measure.eval import model_windows
+    from uptrain.train.config import load_config
+
+    if any(o.split("=", 1)[0] in ("data.seq_len", "batch.micro_batch") for o in args.overrides):
+        return []
+    config = load_config(CONFIG, [])
+    frame, line = block_frame(source, train_text, model_windows([str(source)])[0], config.data.seq_len,
+                              config.batch.micro_batch)
+    print(f"   {line}", flush=True)
+    return frame
 
 
 def check_first(args, source: Path, threads: int) -> int:
@@ -174,7 +191,8 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     better = ("; better: 1/3 of your model's own pre-training peak (model card), set with optim.lr=X, or measure: "
               "scripts/lr_sweep.py") if own_lr else ""
     print(f"   {describe(args.alpha_kd)}{better}", flush=True)
-    overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir)
+    frame = training_blocks(args, source, train_text)
+    overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir, frame)
     if resume:  # the stopped run's own state: resumed, not replaced
         overrides = [o for o in overrides if o != "overwrite=true"] + ["resume=latest"]
     config = load_config(CONFIG, overrides)
