@@ -66,6 +66,11 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     "recipe-samples-lr1e-3-attention": ("quality", [*samples(), *KD, "optim.lr=1e-3", "trainable=attention"]),
     "recipe-samples-lr5e-4-T2": ("quality", [*samples(), *KD, "optim.lr=5e-4", "distill.temperature=2.0"]),
     "recipe-samples-lr5e-4-top_p1": ("quality", [*samples(top_p=1.0), *KD, "optim.lr=5e-4"]),
+    # issue 61's levers on the best cell: a cross-entropy term beside distillation (10% hard labels), and
+    # warm-up-stable-decay (the peak held, a linear decay over the last 20% of steps) against the cosine
+    "recipe-samples-lr5e-4-ce0.1": ("quality", [*samples(), f"distill.teacher={SOURCE}", "distill.alpha_kd=0.9",
+                                                "optim.lr=5e-4"]),
+    "recipe-samples-lr5e-4-wsd": ("quality", [*samples(), *KD, "optim.lr=5e-4", "optim.schedule=wsd"]),
     # the control: the source itself (nothing converted) distilled from itself on its samples, the
     # recipe's own floor: how far from the source the recipe's noise leaves a student that starts exact
     "control-source-samples-lr5e-4": ("source", [*samples(), *KD, "optim.lr=5e-4"]),

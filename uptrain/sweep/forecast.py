@@ -108,6 +108,19 @@ def tokens_to(law: GapLaw, target_gap: float) -> Forecast:
     return Forecast(tokens, low, high, ratio, note)
 
 
+def gap_at(law: GapLaw, tokens: float) -> tuple[float, float, float]:
+    """The law's gap after `tokens` with its 90% interval (the delta method on log gap = log_a - alpha
+    log T; the estimate itself where the law has no covariance)."""
+    log_t = math.log(tokens)
+    log_gap = law.log_a - law.alpha * log_t
+    if law.cov is None:
+        return math.exp(log_gap), math.exp(log_gap), math.exp(log_gap)
+    grad = (1.0, -log_t)  # d log gap / d (log_a, alpha)
+    var = sum(grad[i] * law.cov[i][j] * grad[j] for i in range(2) for j in range(2))
+    half = t_quantile_95(law.n - 2) * math.sqrt(max(var, 0.0))
+    return math.exp(log_gap), math.exp(log_gap - half), math.exp(log_gap + half)
+
+
 def describe(forecast: Forecast, what: str) -> str:
     """One line: `what` needs ~T tokens [low-high] (note)."""
     if forecast.tokens is None:
