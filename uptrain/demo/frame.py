@@ -31,11 +31,10 @@ def half_window_copy(source: Path, text: Path, window: int) -> tuple[float, int]
     """(the share of a passage's first-reading loss that the source removes when it reads the passage
     again half a `window` later, that distance in tokens: the copy probe's middle one) on `text`; None
     where the text is too short for the probe."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from uptrain.measure.copy_probe import probe_model
+    from uptrain.measure.models import load_model
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    model, tokenizer = load_model(str(source))  # as uptrain.eval loads it: the checkpoint's own dtype
     sequences, used = [], 0
     for doc in read_documents(DataSource(files=[str(text)]), field_option=None):
         ids = tokenizer(doc)["input_ids"]
@@ -43,7 +42,6 @@ def half_window_copy(source: Path, text: Path, window: int) -> tuple[float, int]
         used += len(ids)
         if used >= PROBE_TOKENS:
             break
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         probe = probe_model(model, sequences, window)
     del model
