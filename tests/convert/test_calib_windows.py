@@ -44,7 +44,7 @@ def _check(texts: list[str], tokenizer, tokens: int, window: int) -> list[int]:
     passage, case = max(1, window // 8), (len(texts), tokens, window)
     assert used == sum(map(len, sequences)) == min(tokens, used) and all(0 < len(s) <= window for s in sequences)
     assert used == tokens or used >= len(stream), case  # the budget, unless the text ran out first
-    assert used < tokens or len(sequences) >= MIN_WINDOWS, case  # enough sequences for the refinement's split
+    assert used < tokens or len(sequences) >= min(MIN_WINDOWS, tokens // 2), case  # enough for the refinement's split
     read, distances = [], []
     for s in sequences:
         if len(s) >= 2 * passage and s[-passage:] == s[:passage]:  # a passage read again after len - 2P tokens
@@ -75,7 +75,7 @@ def test_repeat_windows_keep_their_promises_over_many_texts_and_windows(tokenize
         else:
             texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 900))) for _ in range(rng.randint(1, 12))]
         window = rng.choice([16, 64, 128, 256, 512, 2048, rng.randint(9, 700)])
-        _check(texts, tokenizer, rng.randint(1, 20_000), window)
+        _check(texts, tokenizer, rng.choice([rng.randint(1, 40), rng.randint(1, 20_000)]), window)
     distances = _check(stories, tokenizer, 200_000, 512)
     assert len(distances) > 300 and min(distances) < 20 and max(distances) > 364  # 0..384 covered
     low = sum(d < 192 for d in distances) / len(distances)
