@@ -6,8 +6,11 @@ whose heads copy, at 4, 2 and 1 K/V heads, before and after the demo's uptrainin
 
 Starts (`uptrain.convert MODEL --kv-heads K ...`): `mean` (the paper's), `fit` (from the weights),
 `fit-similar-calib` (`--method fit --grouping similar --calib TRAIN`), `refine` (the same + `--refine`:
-the quality path), `refine-repeats` (the quality path calibrated on TRAIN's stories each read twice:
-story, the next story, the story again; `--starts refine-repeats`). Each is scored by `uptrain.eval FOLDER --reference MODEL --data HELD_OUT` (loss, KL,
+the quality path, with the default `--calib-windows repeats`), `refine-1200` (3x its steps); the levers
+measured before that default, each with `--calib-windows documents` (`-documents`: `refine-repeats`,
+`refine-packed`, `refine-far`, ...). `--train-text` picks the uptraining's text and blocks (`stories`:
+the demo's former 128-token blocks; `stories-512-copy0.5`: what the demo now does for a model that
+copies across its context). Each is scored by `uptrain.eval FOLDER --reference MODEL --data HELD_OUT` (loss, KL,
 the copy probe: `copy_gain_kept`, the share of the source's gain from a passage's first reading to its
 second), then uptrained with the demo's recipe and budget (uptrain/train/recipe.py, 400K tokens of
 TRAIN, configs/demo-cpu.yaml's frame) and scored again. One thread per run, seed 0; records in

@@ -37,6 +37,7 @@ STARTS = {
     "quality": ["--method", "fit", "--grouping", "similar", "--calib", str(TRAIN), "--calib-tokens", "16384",
                 "--refine"],
 }
+RUNS = REPO / "runs" / "quality-curve"  # the default --out, where the student-mix cell's samples are written
 # The cells: a start and the trainer's overrides of configs/demo-cpu.yaml (after model, run_dir, data).
 TEXT = [f"data.train.files=[{TRAIN}]"]
 KD = [f"distill.teacher={SOURCE}", "distill.alpha_kd=1.0"]
@@ -71,6 +72,10 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     "recipe-samples-lr5e-4-ce0.1": ("quality", [*samples(), f"distill.teacher={SOURCE}", "distill.alpha_kd=0.9",
                                                 "optim.lr=5e-4"]),
     "recipe-samples-lr5e-4-wsd": ("quality", [*samples(), *KD, "optim.lr=5e-4", "optim.schedule=wsd"]),
+    # the student's own continuations (sampled once from the start: `python -m uptrain.train.samples START --tokens
+    # 1050000 --top-p 1.0 --max-new-tokens 256`) beside as many of the source's, both scored by the source
+    "recipe-student-mix-lr5e-4": ("quality", [f"data.train.files=[{RUNS}/student-samples.jsonl,{RUNS}/teacher-samples-1m.jsonl]",
+                                              "data.repeat_data=true", *KD, "optim.lr=5e-4"]),
     # the control: the source itself (nothing converted) distilled from itself on its samples, the
     # recipe's own floor: how far from the source the recipe's noise leaves a student that starts exact
     "control-source-samples-lr5e-4": ("source", [*samples(), *KD, "optim.lr=5e-4"]),
