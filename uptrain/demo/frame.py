@@ -32,13 +32,13 @@ def half_window_copy(source: Path, text: Path, window: int) -> tuple[float, int]
     again half a `window` later, that distance in tokens: the copy probe's middle one) on `text`; None
     where the text is too short for the probe."""
     from uptrain.measure.copy_probe import probe_model
+    from uptrain.measure.eval import tokenize_texts
     from uptrain.measure.models import load_model
 
     model, tokenizer = load_model(str(source))  # as uptrain.eval loads it: the checkpoint's own dtype
     sequences, used = [], 0
-    for doc in read_documents(DataSource(files=[str(text)]), field_option=None):
-        ids = tokenizer(doc)["input_ids"]
-        sequences.append(torch.tensor(ids, dtype=torch.long))
+    for ids in tokenize_texts(tokenizer, read_documents(DataSource(files=[str(text)]), field_option=None)):
+        sequences.append(ids)
         used += len(ids)
         if used >= PROBE_TOKENS:
             break
