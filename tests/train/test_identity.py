@@ -4,6 +4,7 @@ an elastic resume may change (grad_accum) is not part of the identity."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from train_helpers import fresh_accelerate_state  # noqa: F401 (autouse fixture)
 from train_helpers import DEMO, TRAIN_TXT, need_models, tiny_overrides
 from uptrain.errors import UsageError
 from uptrain.train.__main__ import main
-from uptrain.train.config import load_config, to_dict
+from uptrain.train.config import field_defaults, load_config, to_dict
 from uptrain.train.plan.folders import SECTIONS, config_identity, identity_changes, run_identity
 from uptrain.train.plan.folders import check_checkpoint_identity, check_run_dir
 from uptrain.train.state.run_state import checkpoint_state, complete_checkpoints
@@ -67,6 +68,60 @@ def test_grad_accum_is_not_identity_and_the_data_fingerprint_is(tmp_path):
     base = _config_dict(tmp_path)
     assert config_identity(base) == config_identity(_config_dict(tmp_path, ["batch.grad_accum=4"]))
     assert identity_changes(run_identity(base, "no", "abc"), run_identity(base, "no", "abd")) == ["data_fingerprint"]
+
+
+def _field_paths(section: dict, prefix: str) -> list[tuple[str, ...]]:
+    """Every field inside a section (nested dicts too), as key paths."""
+    paths = []
+    for name, value in section.items():
+        paths.append((prefix, name))
+        if isinstance(value, dict):
+            paths += [(prefix, name, *rest[1:]) for rest in _field_paths(value, prefix)]
+    return paths
+
+
+def _drop(identity: dict, path: tuple[str, ...]) -> dict:
+    out = copy.deepcopy(identity)
+    inner = out
+    for key in path[:-1]:
+        inner = inner[key]
+    del inner[path[-1]]
+    return out
+
+
+def test_a_field_added_after_the_run_started_resumes_at_its_default_and_is_named_otherwise(tmp_path):
+    """A run launched by an older version has no record of a field added since (data.copy_repeats
+    came after runs in flight): a resume compares it as its default, so an upgrade does not strand the
+    run, while a new non-default value is still refused, naming the field."""
+    need_models()
+    base = _config_dict(tmp_path)
+    identity = run_identity(base, "no", "abc")
+    paths = [path for section in SECTIONS if isinstance(identity.get(section), dict)
+             for path in _field_paths(identity[section], section)]
+    assert ("data", "copy_repeats") in paths and len(paths) > 40
+    defaults = config_identity(field_defaults())
+
+    def at(tree, path):
+        for key in path:
+            tree = tree.get(key) if isinstance(tree, dict) else None
+        return tree
+
+    at_default = [path for path in paths if at(identity, path) == at(defaults, path)]
+    assert ("data", "copy_repeats") in at_default and len(at_default) > 20
+    for path in paths:  # a dropped field set away from its default is a change, named by its field
+        expected = [] if path in at_default else [".".join(path[:2])]
+        assert identity_changes(_drop(identity, path), identity) == expected, path
+    older = _drop(identity, ("data", "copy_repeats"))
+    repeated = run_identity(_config_dict(tmp_path, ["data.copy_repeats=0.5"]), "no", "abc")
+    assert identity_changes(older, repeated) == ["data.copy_repeats"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stored = copy.deepcopy(base)
+    del stored["data"]["copy_repeats"]
+    (run_dir / "run.yaml").write_text(yaml.safe_dump(stored))
+    assert check_run_dir(run_dir, base, "latest", False) is None  # nothing saved yet: starts from the beginning
+    with pytest.raises(UsageError, match=r"differs in: data.copy_repeats \(checkpoint 0.0, now 0.5"):
+        check_run_dir(run_dir, _config_dict(tmp_path, ["data.copy_repeats=0.5"]), "latest", False)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ the dotted name of the field, so a bad config fails before any work starts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -382,3 +383,17 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
 def to_dict(config: TrainConfig) -> dict:
     """The config as plain nested dicts (for YAML dumps, trackers and the model card)."""
     return dataclasses.asdict(config)
+
+
+def field_defaults(cls: type = TrainConfig) -> dict:
+    """Every field's default as nested dicts, a dataclass field (also an optional one, None by
+    default) as the defaults of its own fields: what a config written before a field existed meant."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        kinds = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+        if dataclasses.is_dataclass(kinds[0]):
+            out[f.name] = field_defaults(kinds[0])
+        else:
+            out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else copy.deepcopy(f.default)
+    return out

@@ -42,7 +42,7 @@ from uptrain.convert.io.hfconfig import model_shape
 from uptrain.convert.io.source import open_checkpoint, resolve_source
 from uptrain.convert.registry.architectures import supported_model_types
 from uptrain.errors import UsageError
-from uptrain.train.config import TrainConfig, to_dict
+from uptrain.train.config import TrainConfig, field_defaults, to_dict
 from uptrain.train.state.run_files import (  # noqa: F401 (RUN_OUTPUTS, checkpoint_state: public here too)
     FINISHED_FILE, RUN_FILE, RUN_OUTPUTS, STATE_FILE, checkpoint_state, complete_checkpoints,
 )
@@ -79,11 +79,28 @@ def run_identity(config_dict: dict, mixed_precision: str, data_fingerprint: str 
     return identity
 
 
+def _with_defaults(recorded, default):
+    """`recorded` with the fields it lacks taken from `default`, at every depth (dicts only)."""
+    if not (isinstance(recorded, dict) and isinstance(default, dict)):
+        return recorded
+    filled = {name: _with_defaults(value, default.get(name)) for name, value in recorded.items()}
+    return {**{name: value for name, value in default.items() if name not in filled}, **filled}
+
+
+def _filled(recorded: dict) -> dict:
+    """A recorded identity with the fields added since it was written at their defaults."""
+    defaults = config_identity(field_defaults())
+    return {key: _with_defaults(value, defaults.get(key)) for key, value in recorded.items()}
+
+
 def identity_changes(recorded: dict, now: dict) -> list[str]:
     """Dotted names of the identity fields that differ between two identities (sorted by section).
 
-    A field absent from `recorded` (a checkpoint of an older version that did not record it) is not
-    compared."""
+    A section absent from `recorded` (a checkpoint of an older version that did not record it) is not
+    compared. A field absent inside a recorded section was added to the config after that run started:
+    it is compared as its default, the behaviour the older version had (new fields default to it), so
+    an upgrade between two launches of one run does not refuse its resume."""
+    recorded = _filled(recorded)
     changed = []
     for key in (*SECTIONS, "data_fingerprint"):
         if key not in recorded:
@@ -105,7 +122,7 @@ def describe_changes(changed: list[str], recorded: dict, now: dict) -> str:
         got = identity.get(section)
         return got.get(field) if field and isinstance(got, dict) else got
 
-    parts = []
+    recorded, parts = _filled(recorded), []
     for name in changed:
         hint = _HINTS.get(name.split(".")[0])
         shown = "" if name == "data_fingerprint" else f"checkpoint {value(recorded, name)!r}, now {value(now, name)!r}"
