@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,8 +82,49 @@ def test_a_same_size_edit_of_the_tokenizer_and_other_settings_or_code_change_the
     assert teacher_samples._identity(teacher, tokenizer, TS, {}) == base  # content, not path or time
     other = TeacherSamples(**{**TS.__dict__, "seed": 6})
     assert teacher_samples._identity(teacher, tokenizer, other, {}) != base
-    monkeypatch.setattr(uptrain, "_code", "another checkout")
-    assert teacher_samples._identity(teacher, tokenizer, TS, {}) != base
+    assert base["code"][0] == uptrain.code_fingerprint(*teacher_samples.SAMPLER_MODULES)
+
+
+def test_the_samples_code_key_changes_with_the_sampler_and_not_with_the_rest_of_uptrain(tmp_path):
+    """An edit to the code that makes the samples makes them again; an edit elsewhere (an upgrade between
+    two launches of a run whose config gained a field) keeps them: a 7B teacher's samples take hours."""
+    import uptrain
+
+    copy = tmp_path / "uptrain"
+    shutil.copytree(Path(uptrain.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    key = uptrain.code_fingerprint(*teacher_samples.SAMPLER_MODULES, root=copy)
+    assert key == uptrain.code_fingerprint(*teacher_samples.SAMPLER_MODULES)
+    whole = uptrain.code_fingerprint(root=copy)
+    with open(copy / "train" / "config.py", "a") as f:
+        f.write("\n# an edit outside the sampler\n")
+    assert uptrain.code_fingerprint(*teacher_samples.SAMPLER_MODULES, root=copy) == key
+    assert uptrain.code_fingerprint(root=copy) != whole  # kept layers and sweep points still see every edit
+    for module in teacher_samples.SAMPLER_MODULES:
+        with open(copy / module, "a") as f:
+            f.write("\n# an edit inside the sampler\n")
+        changed = uptrain.code_fingerprint(*teacher_samples.SAMPLER_MODULES, root=copy)
+        assert changed != key, module
+        key = changed
+
+
+def test_the_sampler_modules_hold_every_uptrain_import_that_shapes_the_samples():
+    """A refactor that moves sampling code into a new module must name it in SAMPLER_MODULES: every uptrain
+    module the three import is either one of them or one that cannot change a sample's text."""
+    import ast
+
+    import uptrain
+
+    root = Path(uptrain.__file__).parent
+    neutral = {"uptrain.errors", "uptrain.convert.progress", "uptrain.fingerprint", "uptrain.train.config",
+               "uptrain.data", "uptrain.convert.io.hfconfig"}
+    # errors, progress lines, file digests, the config and settings types (in the key); the model's shape, which
+    # sizes an auto batch only (as free GPU memory does: a continued generation keeps its first batch's rows)
+    named = {"uptrain." + m.removesuffix(".py").replace("/", ".") for m in teacher_samples.SAMPLER_MODULES}
+    for module in teacher_samples.SAMPLER_MODULES:
+        tree = ast.parse((root / module).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("uptrain")}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names if a.name.startswith("uptrain")}
+        assert imported - {"uptrain"} <= neutral | named, (module, imported - neutral - named)
 
 
 def test_the_prompts_file_is_keyed_by_its_text(tmp_path):

@@ -7,7 +7,7 @@ they are then packed and trained on like file data, with distillation from the s
 
 Written atomically (a temporary folder renamed into place, with meta.json saying what was
 generated), and reused as long as meta.json's key (`_identity`: the teacher's files and tokenizer by
-content, the settings, the code) matches: a resumed run trains on exactly the samples the interrupted
+content, the settings, the sampler's code) matches: a resumed run trains on exactly the samples the interrupted
 one did, and another model at the same path makes its own. While they are generated, each batch is
 written as it is made (`run_dir/.partial-teacher_samples/chunks/`, seeded by its index, under the same
 key): a run stopped during the generation continues it where it stopped, with the samples an
@@ -44,14 +44,17 @@ SAMPLES = "samples.jsonl"
 META = "meta.json"
 
 
-DIGESTS = "digests.json"  # file digests by size and mtime (`file_digest`): a rerun reads only changed files
+DIGESTS = "digests.json"
+# The code that makes the samples (the key's "code"): this module, the sampler and its decode cache. An edit
+# anywhere else in uptrain keeps a run's samples (a resume after an upgrade does not generate them again).
+SAMPLER_MODULES = ("train/model/teacher_samples.py", "train/model/sampling.py", "train/model/decode_cache.py")  # file digests by size and mtime (`file_digest`): a rerun reads only changed files
 
 
 def _identity(teacher_dir: Path, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples, digests: dict) -> dict:
     """What identifies a set of samples, by content as kept conversion layers and a sweep's points are (another
     model at the same path is another teacher): every file of the teacher's folder (weights, config, tokenizer
     files: `folder_fingerprint`), the tokenizer that encodes the prompts and decodes the samples (the files it
-    saves), the prompts file's text, every generation setting, the seeding scheme, uptrain's code and the
+    saves), the prompts file's text, every generation setting, the seeding scheme, the code of SAMPLER_MODULES and the
     torch / transformers versions. `digests` (path -> [size, mtime_ns, sha256]; updated here) spares re-reading
     a file whose size and modification time are unchanged (a 7B teacher's 14 GB: ~7 s at 2 GB/s)."""
     from uptrain import code_fingerprint
@@ -62,7 +65,7 @@ def _identity(teacher_dir: Path, tokenizer: PreTrainedTokenizerBase, ts: Teacher
     return {"teacher": folder_fingerprint(Path(teacher_dir), digests), "tokenizer": vocabulary,
             **dataclasses.asdict(ts), "prompts": None if ts.prompts is None else file_digest(Path(ts.prompts), digests),
             "seeding": "per batch", "sampler": 4,
-            "code": [code_fingerprint(), torch.__version__, transformers.__version__]}
+            "code": [code_fingerprint(*SAMPLER_MODULES), torch.__version__, transformers.__version__]}
     # batches seeded by their index alone; sampler 4: the static-cache sampler of uptrain.train.model.sampling
     # with the decode cache of uptrain.train.model.decode_cache, the last batch sized to the tokens left
 
