@@ -76,6 +76,10 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     # 1050000 --top-p 1.0 --max-new-tokens 256`) beside as many of the source's, both scored by the source
     "recipe-student-mix-lr5e-4": ("quality", [f"data.train.files=[{RUNS}/student-samples.jsonl,{RUNS}/teacher-samples-1m.jsonl]",
                                               "data.repeat_data=true", *KD, "optim.lr=5e-4"]),
+    # fewer samples read more than once (the budget's half, read twice; its quarter, four times): sampling is
+    # a third of the no-data path's CPU (results/cpu-throughput.md), so a sample read twice costs less
+    "recipe-samples-lr5e-4-reuse2": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4"]),
+    "recipe-samples-lr5e-4-reuse4": ("quality", [*samples("QUARTER"), *KD, "optim.lr=5e-4"]),
     # the control: the source itself (nothing converted) distilled from itself on its samples, the
     # recipe's own floor: how far from the source the recipe's noise leaves a student that starts exact
     "control-source-samples-lr5e-4": ("source", [*samples(), *KD, "optim.lr=5e-4"]),
@@ -142,7 +146,9 @@ def score(paths: list[Path]) -> list[dict]:
 
 def run_cell(name: str, kv: int, tokens: int, every: int, out: Path, extra: list[str]) -> dict:
     kind, overrides = CELLS[name]
-    overrides = [o.replace("BUDGET", str(int(tokens * 1.05))) for o in overrides]  # the samples: budget + 5% held out
+    shares = {"BUDGET": 1.05, "HALF": 0.525, "QUARTER": 0.2625}  # the samples: budget (or its share) + 5% held out
+    for word, share in shares.items():
+        overrides = [o.replace(word, str(int(tokens * share))) for o in overrides]
     folder, start_cpu = start(kind, kv, out)
     run_dir = out / f"{name}-kv{kv}-{tokens}"
     load0, t0 = load(), time.time()
