@@ -44,10 +44,10 @@ SAMPLES = "samples.jsonl"
 META = "meta.json"
 
 
-DIGESTS = "digests.json"
+DIGESTS = "digests.json"  # file digests by size and mtime (`file_digest`): a rerun reads only changed files
 # The code that makes the samples (the key's "code"): this module, the sampler and its decode cache. An edit
 # anywhere else in uptrain keeps a run's samples (a resume after an upgrade does not generate them again).
-SAMPLER_MODULES = ("train/model/teacher_samples.py", "train/model/sampling.py", "train/model/decode_cache.py")  # file digests by size and mtime (`file_digest`): a rerun reads only changed files
+SAMPLER_MODULES = ("train/model/teacher_samples.py", "train/model/sampling.py", "train/model/decode_cache.py")
 
 
 def _identity(teacher_dir: Path, tokenizer: PreTrainedTokenizerBase, ts: TeacherSamples, digests: dict) -> dict:
