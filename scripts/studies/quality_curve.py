@@ -80,6 +80,8 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     # a third of the no-data path's CPU (results/cpu-throughput.md), so a sample read twice costs less
     "recipe-samples-lr5e-4-reuse2": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4"]),
     "recipe-samples-lr5e-4-reuse4": ("quality", [*samples("QUARTER"), *KD, "optim.lr=5e-4"]),
+    # 64-token blocks (the same 2,048 tokens a step): attention is nearly half a step's CPU time at 128 tokens
+    "recipe-samples-lr5e-4-64": ("quality", [*samples(), *KD, "optim.lr=5e-4", "data.seq_len=64", "batch.micro_batch=16"]),
     # the control: the source itself (nothing converted) distilled from itself on its samples, the
     # recipe's own floor: how far from the source the recipe's noise leaves a student that starts exact
     "control-source-samples-lr5e-4": ("source", [*samples(), *KD, "optim.lr=5e-4"]),
