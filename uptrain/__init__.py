@@ -12,23 +12,27 @@ def code_fingerprint(*modules: str, root=None) -> str:
 
     `modules` (paths under the package, e.g. "train/model/sampling.py"): hash only those files, for a
     result whose making is confined to them (the teacher's samples), so an edit elsewhere keeps it.
-    `root`: another copy of the package (tests); this one by default."""
+    `root`: another copy of the package (tests); this one by default. Only the whole package's own
+    hash is kept for the process (it is asked for often; the others are a few files)."""
     global _code
-    if _code is not None and not modules and root is None:
-        return _code
+    if modules or root is not None:
+        return _files_digest(root, modules)
+    if _code is None:
+        _code = _files_digest(None, ())
+    return _code
+
+
+def _files_digest(root, modules: tuple[str, ...]) -> str:
+    """The first 16 hex digits of a sha256 over `modules` (all .py files when empty) under `root`."""
     import hashlib
     from pathlib import Path
 
-    default = root is None
-    root = Path(__file__).parent if default else Path(root)
+    root = Path(__file__).parent if root is None else Path(root)
     paths = [root / name for name in modules] if modules else sorted(root.rglob("*.py"))
     digest = hashlib.sha256()
     for path in paths:
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    if modules or not default:
-        return digest.hexdigest()[:16]
-    _code = digest.hexdigest()[:16]
-    return _code
+    return digest.hexdigest()[:16]
 
 
 _code: str | None = None
