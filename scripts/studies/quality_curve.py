@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ SOURCE = REPO / "examples" / "stories260K-mha8"
 TRAIN = REPO / "examples" / "data" / "tinystories-train-sample.txt"
 VALID = REPO / "examples" / "data" / "tinystories-valid-sample.txt"
 PY = sys.executable
+SCORING = threading.Lock()
 REUSE = False  # --reuse: score a cell's finished run again instead of training it (its CPU time then unknown)
 
 # The starts: the converter's arguments after `SOURCE --kv-heads K`.
@@ -38,17 +40,28 @@ STARTS = {
                 "--refine"],
 }
 RUNS = REPO / "runs" / "quality-curve"  # the default --out, where the student-mix cell's samples are written
+# the no-data starts (issue 61): calibrated on the source's own samples, not the shipped stories
+# (`python -m uptrain.train.samples SOURCE --tokens 1050000 --top-p 1.0 --max-new-tokens 256 --out RUNS/teacher-samples-1m.jsonl`)
+SAMPLES_1M = RUNS / "teacher-samples-1m.jsonl"
+_ON_SAMPLES = ["--method", "fit", "--grouping", "similar", "--calib", str(SAMPLES_1M), "--calib-tokens", "16384"]
+STARTS |= {
+    "samples-repeats": [*_ON_SAMPLES, "--refine"],  # the demo's no-data start (repeat windows: the default)
+    "samples-documents": [*_ON_SAMPLES, "--calib-windows", "documents", "--refine"],
+    "samples-fit": [*_ON_SAMPLES, "--calib-windows", "documents"],  # the closed-form fit, not refined
+}
 # The cells: a start and the trainer's overrides of configs/demo-cpu.yaml (after model, run_dir, data).
 TEXT = [f"data.train.files=[{TRAIN}]"]
 KD = [f"distill.teacher={SOURCE}", "distill.alpha_kd=1.0"]
 
 
-def samples(tokens: int | str = "BUDGET", top_p: float | None = None) -> list[str]:
+def samples(tokens: int | str = "BUDGET", top_p: float | None = None, longest: int = 256,
+            temperature: float | None = None) -> list[str]:
     """Train on `tokens` of the source's own samples (data.train.teacher_samples; BUDGET: as many as the
-    cell's uptraining tokens, every token fresh; top_p: the sampling's, else the config's 0.95), not the
-    shipped text."""
+    cell's uptraining tokens, every token fresh; top_p: the sampling's, else the config's 0.95; each at most
+    `longest` new tokens; temperature: the sampling's, else 1), not the shipped text."""
     nucleus = "" if top_p is None else f", top_p: {top_p}"
-    return ["data.train.files=null", f"data.train.teacher_samples={{tokens: {tokens}, max_new_tokens: 256{nucleus}}}",
+    nucleus += "" if temperature is None else f", temperature: {temperature}"
+    return ["data.train.files=null", f"data.train.teacher_samples={{tokens: {tokens}, max_new_tokens: {longest}{nucleus}}}",
             "data.repeat_data=true"]
 
 
@@ -80,6 +93,22 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     # a third of the no-data path's CPU (results/cpu-throughput.md), so a sample read twice costs less
     "recipe-samples-lr5e-4-reuse2": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4"]),
     "recipe-samples-lr5e-4-reuse4": ("quality", [*samples("QUARTER"), *KD, "optim.lr=5e-4"]),
+    # the no-data starts at the reuse2 cell's training: which start trains best, not which scores best
+    **{f"start-{kind}-reuse2": (kind, [*samples("HALF"), *KD, "optim.lr=5e-4"])
+       for kind in ("mean", "samples-repeats", "samples-documents", "samples-fit")},
+    # each layer's attention output matched to the source's during uptraining (distill.attention_match), on reuse2
+    **{f"recipe-samples-lr5e-4-reuse2-att{w}": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4",
+                                                            f"distill.attention_match={w}"]) for w in ("0.1", "1")},
+    # samples drawn hotter than the source's own distribution (the targets stay the source's at T=1): wider
+    # inputs, nearer real text's (the source's loss on its T=1 samples is 1.31, on the held-out stories 1.67)
+    **{f"recipe-samples-lr5e-4-reuse2-T{t}": ("quality", [*samples("HALF", temperature=t), *KD, "optim.lr=5e-4"])
+       for t in (1.2, 1.5)},
+    # longer blocks (the same 2,048 tokens a step): positions past 128 trained with their context; at 512 the
+    # samples run to 512 tokens too (held-out stories are scored in 512-token windows)
+    "recipe-samples-lr5e-4-reuse2-256": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4", "data.seq_len=256",
+                                                     "batch.micro_batch=4"]),
+    "recipe-samples-lr5e-4-reuse2-512": ("quality", [*samples("HALF", longest=512), *KD, "optim.lr=5e-4",
+                                                     "data.seq_len=512", "batch.micro_batch=2"]),
     # 64-token blocks (the same 2,048 tokens a step): attention is nearly half a step's CPU time at 128 tokens
     "recipe-samples-lr5e-4-64": ("quality", [*samples(), *KD, "optim.lr=5e-4", "data.seq_len=64", "batch.micro_batch=16"]),
     # the control: the source itself (nothing converted) distilled from itself on its samples, the
@@ -164,7 +193,8 @@ def run_cell(name: str, kv: int, tokens: int, every: int, out: Path, extra: list
     meta = run_dir / "teacher_samples" / "meta.json"
     if meta.is_file():
         record["samples"] = {k: json.loads(meta.read_text())[k] for k in ("tokens", "seconds", "tokens_per_s")}
-    record["final"], = score([run_dir / "model"])
+    with SCORING:  # one at a time: two threads loading models at once raced in transformers (meta tensors)
+        record["final"], = score([run_dir / "model"])
     return record
 
 

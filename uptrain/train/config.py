@@ -92,6 +92,17 @@ class DistillConfig:
     teacher: str | None = None  # folder or Hub id (org/name) of the teacher; None disables distillation
     alpha_kd: float = 0.5
     temperature: float = 1.0
+    # weight of each layer's attention output matched to the teacher's on the same tokens, beside the loss
+    # above (uptrain/train/model/attention_match.py: squared distance over the teacher's mean square,
+    # per target token, averaged over layers); 0: off. Needs a teacher with the student's layers
+    attention_match: float = 0.0
+
+    def validate(self) -> None:
+        """Raise UsageError on a weight out of range, or a matching without a teacher to match."""
+        if not (0.0 <= self.alpha_kd <= 1.0 and self.temperature > 0):
+            raise UsageError("distill.alpha_kd must be in [0, 1] and distill.temperature > 0")
+        if self.attention_match < 0 or (self.attention_match and not self.teacher):
+            raise UsageError("distill.attention_match must be >= 0 and needs distill.teacher (the outputs it matches)")
 
 
 @dataclass
@@ -195,8 +206,6 @@ class TrainConfig:
             (0.0 < self.optim.decay_fraction <= 1.0, "optim.decay_fraction must be in (0, 1]"),
             (self.optim.warmup_steps >= 0 and self.optim.grad_clip >= 0,
              "optim.warmup_steps and optim.grad_clip must be >= 0"),
-            (0.0 <= self.distill.alpha_kd <= 1.0 and self.distill.temperature > 0,
-             "distill.alpha_kd must be in [0, 1] and distill.temperature > 0"),
             ((self.eval.max_batches is None or self.eval.max_batches >= 1)
              and (self.eval.batch_size is None or self.eval.batch_size >= 1),
              "eval.max_batches and eval.batch_size must be at least 1 (or null): validation must score tokens"),
@@ -213,6 +222,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        self.distill.validate()
         check_trainable(self.trainable)
         for i, stage in enumerate(self.trainable_stages):
             check_trainable(stage.trainable)

@@ -29,6 +29,7 @@ from uptrain.train.config import TrainConfig
 from uptrain.convert.progress import progress_every
 from uptrain.train.report.eta import EtaTracker, ProgressLines, format_eta, plain_output
 from uptrain.train.stop.health import StepHealth, check_finite
+from uptrain.train.model.attention_match import attention_match_sum, attention_outputs
 from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
 from uptrain.stopping.codes import signal_name
 from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left
@@ -266,13 +267,15 @@ def _forward_backward(run: Run, window: list[torch.Tensor], sharded: bool) -> tu
     local_tokens = torch.full((), float(sum(ids[:, 1:].numel() for ids in window)), device=accelerator.device)
     global_tokens = accelerator.reduce(local_tokens, reduction="sum")
     sums = torch.zeros(3, device=accelerator.device)  # [loss, lm, kd] summed over tokens
+    matching = run.teacher is not None and run.config.distill.attention_match > 0
     for i, ids in enumerate(window):
         # Gradients are all-reduced only on the last micro batch of the step.
         sync = (contextlib.nullcontext() if i == accum - 1 else
                 shard.no_grad_sync(model) if sharded else accelerator.no_sync(model))
         with sync:
-            logits = model(input_ids=ids).logits  # [micro_batch, seq_len, vocab]
-            loss, lm, kd = _step_loss(run, logits, ids)
+            with attention_outputs(run.accelerator.unwrap_model(model), on=matching) as attention:
+                logits = model(input_ids=ids).logits  # [micro_batch, seq_len, vocab]
+            loss, lm, kd = _step_loss(run, logits, ids, attention)
             # DDP averages gradients over processes; x world turns that into sum / global count.
             accelerator.backward(loss * world / global_tokens)
             sums += torch.stack([loss.detach(), lm.detach(), kd.detach()]).float()
@@ -345,13 +348,18 @@ def _stop_checkpoint(run: Run, done: int, stop: StopRequest) -> Path | None:
     return kept
 
 
-def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lm, kd) of one micro batch, each summed over its target tokens."""
+def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor,
+               attention: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lm, kd) of one micro batch, each summed over its target tokens. attention: the student's
+    attention outputs on this batch (`attention_outputs`; empty unless distill.attention_match)."""
     lm, _ = lm_loss_sum(logits, ids)
     if run.teacher is None:
         return lm, lm, torch.zeros((), device=lm.device)
-    with torch.no_grad(), run.accelerator.autocast():
-        teacher_logits = run.teacher(input_ids=ids).logits
     d = run.config.distill
+    with torch.no_grad(), run.accelerator.autocast(), attention_outputs(run.teacher, on=bool(attention)) as targets:
+        teacher_logits = run.teacher(input_ids=ids).logits
     kd = kd_loss_sum(logits, teacher_logits, d.temperature)
-    return d.alpha_kd * kd + (1 - d.alpha_kd) * lm, lm, kd
+    loss = d.alpha_kd * kd + (1 - d.alpha_kd) * lm
+    if attention:  # the loss (what is trained) carries the matching; lm and kd stay what they name
+        loss = loss + d.attention_match * attention_match_sum(attention, targets)
+    return loss, lm, kd
