@@ -142,7 +142,7 @@ def test_a_demo_stopped_in_its_uptraining_continues_from_its_checkpoint_and_ends
 
 def test_a_stop_while_the_source_writes_samples_names_the_kept_batches(tmp_path):
     out = tmp_path / "demo"
-    command = [sys.executable, "-m", "uptrain.demo", "--out", str(out), "--teacher-samples", "400000", "--stories", "2",
+    command = [sys.executable, "-m", "uptrain.demo", "--out", str(out), "--teacher-samples", "600000", "--stories", "2",
                "--tasks", "none", "threads=1"]
     proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

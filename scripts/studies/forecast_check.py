@@ -19,20 +19,21 @@ import json
 import math
 from pathlib import Path
 
-from uptrain.sweep.forecast import fit_gap_law, gap_at
+from uptrain.sweep.forecast import describe, fit_gap_law, gap_at, tokens_to
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_LOSS = 1.6671  # the source on the README's held-out stories (scripts/studies/quality_curve.py)
 CELL, KV = "recipe-samples-lr5e-4", 2
 FIT_UP_TO, CHECKS = 2_000_000, (10_000_000, 40_000_000)
+TARGET = 1.750  # issue 61's no-data demo target: within 5% of the source
 
 
-def ends(record: Path) -> dict[int, float]:
+def ends(record: Path, cell: str = CELL) -> dict[int, float]:
     """The cell's final held-out loss per budget (the latest run of each budget)."""
     out = {}
     for line in record.read_text().splitlines():
         r = json.loads(line) if line.strip() else None
-        if r and r["cell"] == CELL and r["kv_heads"] == KV and not any(o.startswith("seed=") for o in r["overrides"]):
+        if r and r["cell"] == cell and r["kv_heads"] == KV and not any(o.startswith("seed=") for o in r["overrides"]):
             out[r["tokens"]] = r["final"]["loss"]
     return out
 
@@ -40,8 +41,9 @@ def ends(record: Path) -> dict[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--record", type=Path, default=REPO / "results" / "quality-curve.jsonl")
+    p.add_argument("--cell", default=CELL, help=f"the cell whose budgets are fitted (default {CELL})")
     args = p.parse_args()
-    measured = ends(args.record)
+    measured = ends(args.record, args.cell)
     fitted = sorted(t for t in measured if t <= FIT_UP_TO)
     gaps = [measured[t] - SOURCE_LOSS for t in fitted]
     law = fit_gap_law(fitted, gaps)
@@ -55,6 +57,7 @@ def main() -> None:
         print(f"| {t:,} | {SOURCE_LOSS + gap:.4f} ({SOURCE_LOSS + low:.4f}-{SOURCE_LOSS + high:.4f}) | "
               f"{'not yet run' if got is None else f'{got:.4f}'} | "
               f"{'—' if got is None else f'{SOURCE_LOSS + gap - got:+.4f}'} |")
+    print(describe(tokens_to(law, TARGET - SOURCE_LOSS), f"\n{args.cell} to {TARGET} (the no-data demo's target)"))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ STARTS |= {
     "samples-repeats": [*_ON_SAMPLES, "--refine"],  # the demo's no-data start (repeat windows: the default)
     "samples-documents": [*_ON_SAMPLES, "--calib-windows", "documents", "--refine"],
     "samples-fit": [*_ON_SAMPLES, "--calib-windows", "documents"],  # the closed-form fit, not refined
+    # calibrated on samples drawn hotter (`... --tokens 40000 --temperature T --out RUNS/teacher-samples-40k-TT.jsonl`)
+    **{f"samples-T{t}": ["--method", "fit", "--grouping", "similar", "--calib", str(RUNS / f"teacher-samples-40k-T{t}.jsonl"),
+                         "--calib-tokens", "16384", "--refine"] for t in (1.2, 1.5)},
 }
 # The cells: a start and the trainer's overrides of configs/demo-cpu.yaml (after model, run_dir, data).
 TEXT = [f"data.train.files=[{TRAIN}]"]
@@ -55,12 +58,13 @@ KD = [f"distill.teacher={SOURCE}", "distill.alpha_kd=1.0"]
 
 
 def samples(tokens: int | str = "BUDGET", top_p: float | None = None, longest: int = 256,
-            temperature: float | None = None) -> list[str]:
+            temperature: float = 1.0) -> list[str]:
     """Train on `tokens` of the source's own samples (data.train.teacher_samples; BUDGET: as many as the
     cell's uptraining tokens, every token fresh; top_p: the sampling's, else the config's 0.95; each at most
-    `longest` new tokens; temperature: the sampling's, else 1), not the shipped text."""
+    `longest` new tokens; temperature: the sampling's, written out so that a cell keeps its meaning when the
+    library's default moves), not the shipped text."""
     nucleus = "" if top_p is None else f", top_p: {top_p}"
-    nucleus += "" if temperature is None else f", temperature: {temperature}"
+    nucleus += f", temperature: {temperature}"
     return ["data.train.files=null", f"data.train.teacher_samples={{tokens: {tokens}, max_new_tokens: {longest}{nucleus}}}",
             "data.repeat_data=true"]
 
@@ -95,20 +99,28 @@ CELLS: dict[str, tuple[str, list[str]]] = {
     "recipe-samples-lr5e-4-reuse4": ("quality", [*samples("QUARTER"), *KD, "optim.lr=5e-4"]),
     # the no-data starts at the reuse2 cell's training: which start trains best, not which scores best
     **{f"start-{kind}-reuse2": (kind, [*samples("HALF"), *KD, "optim.lr=5e-4"])
-       for kind in ("mean", "samples-repeats", "samples-documents", "samples-fit")},
+       for kind in ("mean", "samples-repeats", "samples-documents", "samples-fit", "samples-T1.2", "samples-T1.5")},
     # each layer's attention output matched to the source's during uptraining (distill.attention_match), on reuse2
     **{f"recipe-samples-lr5e-4-reuse2-att{w}": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4",
                                                             f"distill.attention_match={w}"]) for w in ("0.1", "1")},
     # samples drawn hotter than the source's own distribution (the targets stay the source's at T=1): wider
     # inputs, nearer real text's (the source's loss on its T=1 samples is 1.31, on the held-out stories 1.67)
     **{f"recipe-samples-lr5e-4-reuse2-T{t}": ("quality", [*samples("HALF", temperature=t), *KD, "optim.lr=5e-4"])
-       for t in (1.2, 1.5)},
+       for t in (1.1, 1.2, 1.3, 1.5)},
     # longer blocks (the same 2,048 tokens a step): positions past 128 trained with their context; at 512 the
     # samples run to 512 tokens too (held-out stories are scored in 512-token windows)
     "recipe-samples-lr5e-4-reuse2-256": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4", "data.seq_len=256",
                                                      "batch.micro_batch=4"]),
     "recipe-samples-lr5e-4-reuse2-512": ("quality", [*samples("HALF", longest=512), *KD, "optim.lr=5e-4",
                                                      "data.seq_len=512", "batch.micro_batch=2"]),
+    # samples up to 512 tokens, read in 128-token blocks: the later parts of long stories, at the block's cost
+    "recipe-samples-lr5e-4-reuse2-long": ("quality", [*samples("HALF", longest=512), *KD, "optim.lr=5e-4"]),
+    "recipe-samples-lr5e-4-reuse2-long-T1.2": ("quality", [*samples("HALF", longest=512, temperature=1.2), *KD,
+                                                           "optim.lr=5e-4"]),
+    # smaller optimizer steps (8 or 4 blocks of 128 a step, not 16): more updates for the same tokens
+    "recipe-samples-lr5e-4-reuse2-b8": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4", "batch.grad_accum=1"]),
+    "recipe-samples-lr5e-4-reuse2-b4": ("quality", [*samples("HALF"), *KD, "optim.lr=5e-4", "batch.micro_batch=4",
+                                                    "batch.grad_accum=1"]),
     # 64-token blocks (the same 2,048 tokens a step): attention is nearly half a step's CPU time at 128 tokens
     "recipe-samples-lr5e-4-64": ("quality", [*samples(), *KD, "optim.lr=5e-4", "data.seq_len=64", "batch.micro_batch=16"]),
     # the control: the source itself (nothing converted) distilled from itself on its samples, the

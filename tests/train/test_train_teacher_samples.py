@@ -209,7 +209,7 @@ def test_the_shipped_teacher_samples_config_trains_without_any_text(tmp_path, gq
     from conftest import REPO
     run_dir = tmp_path / "run"
     config = load_config(REPO / "configs" / "teacher-samples.yaml", [
-        f"model={gqa2}", f"run_dir={run_dir}", "budget.tokens=2048", "data.train.teacher_samples.tokens=2500",
+        f"model={gqa2}", f"run_dir={run_dir}", "budget.tokens=2048", "data.train.teacher_samples.tokens=3500",
         "data.train.teacher_samples.batch=16", "data.val_fraction=0.2", "data.seq_len=64", "batch.micro_batch=4", "batch.grad_accum=1",
         "optim.warmup_steps=1", "eval.every=0", "eval.max_batches=2", "log.progress_bar=false", "threads=1"])
     assert config.data.train.files == [] and config.distill.teacher.endswith("stories260K-mha8")
