@@ -43,14 +43,20 @@ RUNS = REPO / "runs" / "quality-curve"  # the default --out, where the student-m
 # the no-data starts (issue 61): calibrated on the source's own samples, not the shipped stories
 # (`python -m uptrain.train.samples SOURCE --tokens 1050000 --top-p 1.0 --max-new-tokens 256 --out RUNS/teacher-samples-1m.jsonl`)
 SAMPLES_1M = RUNS / "teacher-samples-1m.jsonl"
-_ON_SAMPLES = ["--method", "fit", "--grouping", "similar", "--calib", str(SAMPLES_1M), "--calib-tokens", "16384"]
+
+
+def _calibrated_on(text: Path) -> list[str]:
+    """The quality path's converter arguments, calibrated on 16,384 tokens of `text` (no --refine)."""
+    return ["--method", "fit", "--grouping", "similar", "--calib", str(text), "--calib-tokens", "16384"]
+
+
+_ON_SAMPLES = _calibrated_on(SAMPLES_1M)
 STARTS |= {
     "samples-repeats": [*_ON_SAMPLES, "--refine"],  # the demo's no-data start (repeat windows: the default)
     "samples-documents": [*_ON_SAMPLES, "--calib-windows", "documents", "--refine"],
     "samples-fit": [*_ON_SAMPLES, "--calib-windows", "documents"],  # the closed-form fit, not refined
     # calibrated on samples drawn hotter (`... --tokens 40000 --temperature T --out RUNS/teacher-samples-40k-TT.jsonl`)
-    **{f"samples-T{t}": ["--method", "fit", "--grouping", "similar", "--calib", str(RUNS / f"teacher-samples-40k-T{t}.jsonl"),
-                         "--calib-tokens", "16384", "--refine"] for t in (1.2, 1.5)},
+    **{f"samples-T{t}": [*_calibrated_on(RUNS / f"teacher-samples-40k-T{t}.jsonl"), "--refine"] for t in (1.2, 1.5)},
 }
 # The cells: a start and the trainer's overrides of configs/demo-cpu.yaml (after model, run_dir, data).
 TEXT = [f"data.train.files=[{TRAIN}]"]
