@@ -194,6 +194,9 @@ def test_the_demo_converts_as_uptrain_convert_with_the_same_options(tmp_path, ca
     ours, plain = (load_file(next(f.glob("*.safetensors"))) for f in (tmp_path / "demo" / "stories260K-gqa2",
                                                                        tmp_path / "plain"))
     assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in ours)
+    choice = [json.loads((f / "uptrain_conversion.json").read_text())["grouping_choice"]
+              for f in (tmp_path / "demo" / "stories260K-gqa2", tmp_path / "plain")]
+    assert choice[0] == choice[1] and len(choice[0]) == 5  # each layer's grouping measured, as convert measures it
 
 
 def _outside_model(tmp_path):

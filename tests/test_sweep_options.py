@@ -60,6 +60,10 @@ def test_each_sweep_folder_is_the_plain_conversion_or_both_refuse_with_one_line(
     calibrated = "--calib" in options
     record = _record(out / f"kv{counts[0]}")
     assert (record.get("calibration") is not None) == (calibrated and _applies(*COMBINATIONS[index])), record
+    for n in counts:  # --grouping similar --calib: each count's groupings measured as uptrain.convert measures them
+        choice, plain_choice = _record(out / f"kv{n}")["grouping_choice"], _record(tmp_path / f"plain{n}")["grouping_choice"]
+        assert choice == plain_choice
+        assert (choice is not None) == (calibrated and "similar" in options), (n, choice)
 
 
 def _applies(method: str, grouping: str, calib: bool, refine: bool) -> bool:

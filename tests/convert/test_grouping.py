@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import EXAMPLE_MHA8, TRAIN_TXT
 from uptrain.convert.math import grouping
 from uptrain.convert.math.fit import rotary_planes
 from uptrain.convert.math.grouping import equal_groups, head_similarity
@@ -140,6 +141,83 @@ def test_brute_force_optimum_on_small_structured_matrices():
         assert objective(s, equal_groups(s, 2)) == pytest.approx(best[0])
 
 
+def all_partitions(heads: int, groups: int) -> list[list[list[int]]]:
+    """Every split of range(heads) into `groups` equal groups, in `equal_groups`' form (brute force)."""
+    size = heads // groups
+
+    def rest(left: list[int]):
+        if not left:
+            yield []
+            return
+        for others in itertools.combinations(left[1:], size - 1):
+            part = [left[0], *others]
+            for tail in rest([h for h in left if h not in part]):
+                yield [part, *tail]
+    return list(rest(list(range(heads))))
+
+
+@pytest.mark.parametrize("heads,groups", CASES)
+def test_candidates_are_distinct_local_optima_the_similarity_best_first(heads, groups):
+    """At real head counts (32, 40, 64) and small ones, on random, planted, real-head and all-tie
+    matrices: every candidate is an equal partition in `equal_groups`' form, none repeats, the first is
+    `equal_groups`', the others come by objective (highest first) and no single exchange improves any."""
+    gen = torch.Generator().manual_seed(heads * 7 + groups)
+    matrices = [random_symmetric(heads, gen) for _ in range(2)]
+    matrices += [torch.rand(heads, heads, generator=gen, dtype=torch.float64)]  # not symmetric
+    matrices += [planted(heads, groups, gen, 0.5)[0], from_heads(heads, gen, True), torch.ones(heads, heads)]
+    several = 0
+    for s in matrices:
+        tol = 1e-9 * max(1.0, s.abs().max().item())
+        found = grouping.candidate_groups(s, groups, 4)
+        assert 1 <= len(found) <= 4
+        assert found[0] == equal_groups(s, groups)
+        assert len({repr(p) for p in found}) == len(found)
+        for parts in found:
+            check_partition(parts, heads, groups)
+            assert best_swap_gain(s, parts) <= tol
+        scores = [objective(s, p) for p in found[1:]]
+        assert scores == sorted(scores, reverse=True)
+        assert grouping.candidate_groups(s, groups, 4) == found  # deterministic
+        assert grouping.candidate_groups(s, groups, 1) == [found[0]]
+        several += len(found) > 1
+    assert several > 0  # the random matrices have more than one local optimum: the case is a real test
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 2), (8, 4), (9, 3), (12, 2), (12, 3)])
+def test_candidates_hold_the_brute_force_optimum_that_the_search_alone_misses(heads, groups):
+    """Brute force over every equal partition (35 to 5,775) of 40 random matrices: the best partition
+    is always among 3 candidates, while `equal_groups` alone misses it on some (so the extra searches
+    are what finds it)."""
+    every = all_partitions(heads, groups)
+    gen = torch.Generator().manual_seed(heads * 10 + groups)
+    missed = 0
+    for _ in range(40):
+        s = random_symmetric(heads, gen)
+        best = max(every, key=lambda p: objective(s, p))
+        found = grouping.candidate_groups(s, groups, 3)
+        assert objective(s, best) == pytest.approx(max(objective(s, p) for p in found))
+        missed += objective(s, equal_groups(s, groups)) < objective(s, best) - 1e-9
+    assert missed > 0
+
+
+def test_candidates_of_paired_heads_are_the_pairings():
+    """stories260K-mha8's case: 8 heads made from 4 K/V heads (each repeated twice) into 2 groups. The
+    partitions no exchange improves keep the copies together; the candidates are such pairings."""
+    gen = torch.Generator().manual_seed(11)
+    pairs = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for _ in range(20):
+        between = 0.6 + 0.3 * torch.rand(4, 4, generator=gen, dtype=torch.float64)
+        s = (between + between.T)[torch.arange(8) // 2][:, torch.arange(8) // 2] / 2
+        s[torch.arange(8), torch.arange(8) ^ 1] = 2.0  # a head and its copy: the maximum
+        for parts in grouping.candidate_groups(s, 2, 3):
+            assert all(sorted(p) == sorted(sum((pair for pair in pairs if pair[0] in p), [])) for p in parts)
+
+
+def test_candidate_count_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        grouping.candidate_groups(torch.zeros(8, 8), 2, 0)
+
+
 def test_uneven_split_is_refused():
     with pytest.raises(ValueError, match="do not split"):
         equal_groups(torch.zeros(6, 6), 4)
@@ -254,3 +332,64 @@ def test_cli_groups_the_reference_model_by_similarity(tmp_path, capsys, kv):
     orders = record["head_order"]
     assert len(orders) == 4 and all(sorted(o) == list(range(8)) for o in orders.values())
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == kv
+
+
+# ------------------------------------------------------------------ with --calib: the grouping measured among candidates
+
+def _stories_similar(out: Path, *extra: str) -> int:
+    return main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--grouping", "similar", "--calib",
+                 str(TRAIN_TXT), "--calib-tokens", "16384", "--threads", "1", "--out", str(out), *extra])
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_convert_writes_each_layers_candidate_grouping_of_lowest_measured_error(tmp_path, monkeypatch):
+    """stories260K-mha8 -> 2 K/V heads on the shipped stories: every layer's candidates are measured and the
+    one of lowest output error is written (layers 0 and 4 leave the similarity's best,
+    results/grouping-choice.md); the written tensors are bit for bit the start made in the recorded
+    head orders with nothing else measured, so the record says what was written."""
+    from uptrain.convert.layers import layer_outputs
+    assert _stories_similar(tmp_path / "chosen") == 0
+    record = json.loads((tmp_path / "chosen" / RECORD_FILE).read_text())
+    choice = record["grouping_choice"]
+    assert sorted(map(int, choice)) == list(range(5))
+    for c in choice.values():
+        if c["errors"] is not None:
+            assert len(c["errors"]) > 1 and c["chosen"] == c["errors"].index(min(c["errors"]))
+    assert sorted(int(i) for i, c in choice.items() if c["chosen"]) == [0, 4]  # the choice did something
+    assert any(n.startswith("head grouping chosen per layer") and "layers 0, 4" in n for n in record["notes"])
+    orders = record["head_order"]
+    monkeypatch.setattr(layer_outputs, "candidate_orders", lambda *a: [orders[a[6]]])  # a[6]: the layer prefix
+    assert _stories_similar(tmp_path / "forced") == 0
+    ours, forced = _weights(tmp_path / "chosen"), _weights(tmp_path / "forced")
+    assert ours.keys() == forced.keys() and all(torch.equal(ours[k], forced[k]) for k in ours)
+    assert json.loads((tmp_path / "forced" / RECORD_FILE).read_text())["head_order"] == orders
+
+
+def test_one_candidate_is_the_similaritys_best_alone_and_none_is_refused(tmp_path, capsys):
+    """`--group-candidates 1`: nothing measured, the similarity's best written (layer 0 as the search
+    alone groups it, not as the measured choice does); 0 is refused in one line, nothing written."""
+    from uptrain.convert.layers.layerwise import GROUP_CANDIDATES
+    from uptrain.convert.options import DEFAULT_GROUP_CANDIDATES
+    assert GROUP_CANDIDATES == DEFAULT_GROUP_CANDIDATES
+    assert _stories_similar(tmp_path / "one", "--group-candidates", "1") == 0
+    record = json.loads((tmp_path / "one" / RECORD_FILE).read_text())
+    assert record["grouping_choice"] is None
+    assert record["head_order"]["model.layers.0.self_attn."] == [0, 1, 4, 5, 2, 3, 6, 7]  # the search's partition
+    capsys.readouterr()
+    assert _stories_similar(tmp_path / "none", "--group-candidates", "0") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--group-candidates must be at least 1" in err
+    assert not (tmp_path / "none").exists()
+
+
+def test_without_calibration_the_similarity_alone_groups(tmp_path):
+    """No --calib: nothing to measure on, so no choice is recorded (the similarity's best, as before)."""
+    out = tmp_path / "out"
+    assert main([str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--grouping", "similar", "--threads", "1",
+                 "--out", str(out)]) == 0
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["grouping_choice"] is None and len(record["head_order"]) == 5

@@ -27,6 +27,7 @@ REFINE_NEEDS_CALIB = ("--refine needs --calib FILE (the text whose attention out
 DEFAULT_CALIB_TOKENS = 32768
 DEFAULT_REFINE_STEPS = 400  # refine.STEPS (kept equal by tests/convert/test_refine.py)
 DEFAULT_REFINE_LR = 6e-2  # refine.LR (idem)
+DEFAULT_GROUP_CANDIDATES = 3  # layerwise.GROUP_CANDIDATES (idem: tests/convert/test_grouping.py)
 QUALITY_PATH = "--method fit --grouping similar --calib TRAIN.txt --refine"  # the best start measured
 
 
@@ -38,7 +39,8 @@ class ConversionOptions:
     calib_tokens / calib_text_unit: how much of it and how a .txt file is cut into documents;
     calib_windows: how it is cut into forward passes (`calibrate.calibration_sequences`);
     refine, refine_steps, refine_lr, refine_inputs: `--refine` and its settings; seed: `--method
-    random`'s; device: the calibration pass's torch device.
+    random`'s; device: the calibration pass's torch device; group_candidates: `--group-candidates`
+    (--grouping similar with --calib: the head groupings measured per layer, 1: the similarity's best).
     """
 
     method: str = "mean"
@@ -53,6 +55,7 @@ class ConversionOptions:
     refine_inputs: str = "original"
     seed: int = 0
     device: str = "cpu"
+    group_candidates: int = DEFAULT_GROUP_CANDIDATES
 
     @property
     def calibrated(self) -> bool:
@@ -66,6 +69,9 @@ class ConversionOptions:
         so calibration text the conversion does not read is not refused."""
         if self.calib_tokens <= 0:
             raise UsageError(f"--calib-tokens must be positive, got {self.calib_tokens}")
+        if self.group_candidates < 1:
+            raise UsageError(f"--group-candidates must be at least 1 (1: the similarity's best alone), got "
+                             f"{self.group_candidates}")
         if self.refine and self.calib is None:
             raise UsageError(REFINE_NEEDS_CALIB)
         if self.refine and self.method == "random":
@@ -113,7 +119,8 @@ class ConversionOptions:
                 "refine_steps": self.refine_steps if self.refine else None,
                 "refine_lr": self.refine_lr if self.refine else None,
                 "refine_inputs": self.refine_inputs if self.refine else None,
-                "seed": self.seed if self.method == "random" else None}
+                "seed": self.seed if self.method == "random" else None,
+                "group_candidates": self.group_candidates if calibrated and self.grouping == "similar" else None}
 
     def calibration(self) -> Any:
         """A fresh `Calibration` of the text where this conversion uses it, else None (imports torch)."""
@@ -164,6 +171,11 @@ def add_conversion_args(p: argparse.ArgumentParser, calib_help: str = "") -> Non
     p.add_argument("--refine-inputs", choices=REFINE_INPUTS, default="original",
                    help="each layer learns on the original model's activations (default; measured as good, "
                         "results/refine.md) or on the converted model's own (one more activation copy)")
+    p.add_argument("--group-candidates", type=int, default=DEFAULT_GROUP_CANDIDATES, metavar="N",
+                   help=f"--grouping similar with --calib: make each layer's start in up to N candidate head "
+                        f"groupings and keep the one of lowest output error on the calibration text (default "
+                        f"{DEFAULT_GROUP_CANDIDATES}; 1: the similarity's best alone; each extra candidate costs one "
+                        f"more closed-form fit per layer)")
     p.add_argument("--device", default="cpu", help="torch device of the calibration pass (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of --method random")
 
@@ -172,4 +184,4 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
     """The `ConversionOptions` of parsed `add_conversion_args` options."""
     return ConversionOptions(args.method, args.grouping, args.calib, args.calib_tokens, args.calib_text_unit,
                              args.calib_windows, args.refine, args.refine_steps, args.refine_lr, args.refine_inputs, args.seed,
-                             args.device)
+                             args.device, args.group_candidates)

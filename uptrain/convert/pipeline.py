@@ -24,7 +24,7 @@ import torch
 
 from uptrain.stopping import at_once
 from uptrain.convert.layers.calibrate import Calibration
-from uptrain.convert.layers.layerwise import describe_layerwise, fit_refusal, layerwise_settings
+from uptrain.convert.layers.layerwise import GROUP_CANDIDATES, describe_layerwise, fit_refusal, layerwise_settings
 from uptrain.convert.layers.refine_layer import LayerRefiner, RefineSettings, check_refine
 from uptrain.convert.layers.whole_check import WholeModelCheck
 from uptrain.convert.io.passthrough import Phases, StoredRange, copy_beside
@@ -68,17 +68,17 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, allow_expand: bool = False,
             grouping: str = "contiguous", calibration: Calibration | None = None, headers_only: bool = False,
             refine: RefineSettings | None = None, user: int = 0, allow_same: bool = True,
-            progress: Callable[[str], None] | None = None, out: Path | None = None
-            ) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
+            progress: Callable[[str], None] | None = None, out: Path | None = None,
+            group_candidates: int = GROUP_CANDIDATES) -> tuple[SourceCheckpoint, ConversionPlan, list[OutputTensor], dict]:
     """Resolve and inspect the source and plan the conversion; reads no tensor data.
 
     headers_only (`--dry-run`): a Hub id not already in the local cache is planned from its
     config and safetensors headers (HTTP range requests), without downloading the weights;
     the plan's notes say how many bytes were fetched. Such a source cannot be written.
 
-    grouping / calibration: see `layerwise` (`--grouping similar`, `--method fit`) and `calibrate`;
-    the calibration runs lazily, when the first attention layer is written.
-    refine (`--refine`): each layer's closed-form start is refined against the original's attention
+    grouping / calibration / group_candidates: see `layerwise` (`--grouping similar`, `--method fit`,
+    `--group-candidates`) and `calibrate`; the calibration runs lazily, when the first attention layer
+    is written. refine (`--refine`): each layer's closed-form start is refined against the original's attention
     outputs on the calibration text as it is written (`refine_layer`); `fit` where the fit refuses
     this family starts from `mean` instead (the plan says so). user: which of the calibration's
     users this conversion is (`several.convert_counts`: one stream for several K/V counts).
@@ -107,13 +107,13 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
         why = fit_refusal(family, full_config, dims.head_dim) if method == "fit" else None
         if why:  # refine runs the family's own attention, so it can start from mean where the fit cannot
             start_method, start_note = "mean", f"refine starts from mean pooling: {why}"
-    layerwise = layerwise_settings(family, full_config, dims.heads, dims.kv_heads,
-                                   dims.head_dim, kv_heads, start_method, grouping,
-                                   calibration and calibration.bind(source.path), refine=refine is not None,
-                                   user=user)
+    layerwise = layerwise_settings(family, full_config, dims.heads, dims.kv_heads, dims.head_dim, kv_heads,
+                                   start_method, grouping, calibration and calibration.bind(source.path),
+                                   refine=refine is not None, user=user, group_candidates=group_candidates)
     new_config = target_config(source.config, cfg, family, kv_heads, dtype)
     refiner = _layer_refiners(layerwise, refine, family, new_config, full_config, calibration, start_method, user)
-    show_progress(progress, layerwise, refiner or getattr(layerwise, "chooser", None), calibration, dims.layers)
+    measurer = refiner or getattr(layerwise, "chooser", None) or getattr(layerwise, "group_chooser", None)
+    show_progress(progress, layerwise, measurer, calibration, dims.layers)
     change = HeadChange(family, dims, kv_heads, start_method, float(getattr(cfg, "initializer_range", 0.02) or 0.02),
                         seed, layerwise)
     outputs = plan_outputs(source.tensors, change, dtype)
@@ -135,7 +135,8 @@ def prepare(checkpoint: str, kv_heads: int, method: str = "mean", seed: int = 0,
     if header_note:
         plan.notes.append(header_note)
     if out is not None and layerwise is not None and header_note is None:  # (not a plan from Hub headers)
-        layerwise.kept = keep_layers(out, source, plan, kv_heads, seed, revision, dtype, calibration, refine)
+        layerwise.kept = keep_layers(out, source, plan, kv_heads, seed, revision, dtype, calibration, refine,
+                                     group_candidates)
     plan.timing_s["plan"] = time.perf_counter() - start
     return source, plan, outputs, new_config
 
@@ -150,7 +151,7 @@ NOT_LAYER_SETTINGS = {"path", "record", "users", "keep", "activation_limit"}
 
 def layer_settings(kv_heads: int, method: str, grouping: str, seed: int, revision: str | None,
                    dtype: torch.dtype | None, calibration: Calibration | None,
-                   refine: RefineSettings | None) -> dict[str, Any]:
+                   refine: RefineSettings | None, group_candidates: int = GROUP_CANDIDATES) -> dict[str, Any]:
     """Every setting a layer-at-a-time conversion's layers depend on, for the kept layers' key: every
     field of the calibration and the refinement but those that cannot change a layer (a new field
     counts until it is named in NOT_LAYER_SETTINGS or has compare=False)."""
@@ -160,16 +161,18 @@ def layer_settings(kv_heads: int, method: str, grouping: str, seed: int, revisio
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
                 if f.compare and f.name not in skip and not f.name.startswith("_")}
     return {"kv_heads": kv_heads, "method": method, "grouping": grouping, "seed": seed, "revision": revision,
+            "group_candidates": group_candidates if grouping == "similar" and calibration is not None else 1,
             "dtype": str(dtype), "calibration": fields_of(calibration, NOT_LAYER_SETTINGS),
             "refine": fields_of(refine, set())}
 
 
 def keep_layers(out: Path, source: SourceCheckpoint, plan: ConversionPlan, kv_heads: int, seed: int,
                 revision: str | None, dtype: torch.dtype | None, calibration: Calibration | None,
-                refine: RefineSettings | None) -> KeptLayers:
+                refine: RefineSettings | None, group_candidates: int = GROUP_CANDIDATES) -> KeptLayers:
     """Where this layer-at-a-time conversion keeps its finished layers (`io/kept_layers.py`), with the
     plan's notes on what an interrupted run with the same arguments, or with others, left there."""
-    settings = layer_settings(kv_heads, plan.method, plan.grouping, seed, revision, dtype, calibration, refine)
+    settings = layer_settings(kv_heads, plan.method, plan.grouping, seed, revision, dtype, calibration, refine,
+                              group_candidates)
     kept = KeptLayers.beside(out, conversion_key(source.path, (i.file for i in source.tensors), settings,
                                           calibration.path if calibration is not None else None))
     found = kept.indices()
@@ -199,9 +202,12 @@ def _layer_refiners(layerwise: Any, refine: RefineSettings | None, family: Famil
                     full_config: dict[str, Any], calibration: Any, start_method: str, user: int) -> LayerRefiner | None:
     """`--refine`'s `LayerRefiner` (None without it), set on `layerwise`; and, behind a key norm with
     --calib, the chooser of each layer's start (the fit's or mean pooling's: issue 50), the refiner
-    itself where there is one."""
+    itself where there is one; with --grouping similar and --calib, the measurer of each layer's
+    candidate groupings (`layer_outputs._grouping_chosen`), the same object where there is one."""
     refiner, chooses = None, start_method == "fit" and calibration is not None and family.key_norm_in(full_config)
-    text_config = load_hf_config(new_config).get_text_config() if refine is not None or chooses else None
+    groupings = (calibration is not None and layerwise is not None and layerwise.grouping == "similar"
+                 and layerwise.group_candidates > 1)
+    text_config = load_hf_config(new_config).get_text_config() if refine is not None or chooses or groupings else None
     if refine is not None:
         refiner = LayerRefiner(refine, family, text_config, calibration, user=user)
         layerwise.refiner = refiner
@@ -211,6 +217,11 @@ def _layer_refiners(layerwise: Any, refine: RefineSettings | None, family: Famil
             calibration.keep = "all"  # the attention's inputs and outputs to measure both starts on, the layer to run
             layerwise.checker = WholeModelCheck(calibration, text_config, family, text_config.num_hidden_layers,
                                                 user=user)
+    if groupings:  # each layer's candidate groupings measured on the calibration text (`_grouping_chosen`)
+        layerwise.group_chooser = layerwise.chooser or refiner or LayerRefiner(RefineSettings(), family, text_config,
+                                                                              calibration, user=user)
+        if calibration.keep == "moments":
+            calibration.keep = "attention"  # the attention's inputs and outputs, to measure the starts on
     return refiner
 
 
@@ -411,12 +422,14 @@ def write_converted(source: SourceCheckpoint, plan: ConversionPlan, outputs: lis
 def convert(checkpoint: str, out: Path, kv_heads: int, method: str = "mean", *, seed: int = 0,
             revision: str | None = None, dtype: torch.dtype | None = None, max_shard_size: str = "5GB",
             force: bool = False, allow_expand: bool = False, grouping: str = "contiguous",
-            calibration: Calibration | None = None, refine: RefineSettings | None = None) -> ConversionPlan:
+            calibration: Calibration | None = None, refine: RefineSettings | None = None,
+            group_candidates: int = GROUP_CANDIDATES) -> ConversionPlan:
     """Convert `checkpoint` into `out` with `kv_heads` K/V heads; the Python API behind the CLI."""
     phases = Phases()
     max_shard = parse_size(max_shard_size)
     source, plan, outputs, new_config = prepare(checkpoint, kv_heads, method, seed, revision, dtype, allow_expand,
-                                                grouping, calibration, refine=refine, out=out)
+                                                grouping, calibration, refine=refine, out=out,
+                                                group_candidates=group_candidates)
     check_output_path(out, source.path, force)
     write_converted(source, plan, outputs, new_config, out, max_shard, phases, replace=force)
     return plan

@@ -41,6 +41,10 @@ class ConversionPlan:
     calibration: dict[str, Any] | None = None  # --calib: file, tokens, device, seconds (calibrate.py)
     refinement: dict[str, Any] | None = None  # --refine: settings, estimates, per-layer errors (refine_layer.py)
     head_order: dict[str, list[int]] | None = None  # --grouping similar: layer -> source query head per position
+    # --grouping similar with --calib: layer -> {"errors": each candidate grouping's start's output error
+    # on the calibration text (the similarity's best first; None: one candidate, or nothing to measure on),
+    # "chosen": the index written} (`layer_outputs._grouping_chosen`)
+    grouping_choice: dict[int, dict[str, Any]] | None = None
     # tensors copied byte for byte / built, their bytes, and whether the copy started before planning
     streams: dict[str, Any] | None = None
     # layer at a time with an output: where finished layers are kept while converting, and those an

@@ -33,6 +33,7 @@ from uptrain.convert.io.output_dir import atomic_output_dirs, check_output_path
 from uptrain.convert.io.passthrough import Phases
 from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.calibrate import Calibration
+from uptrain.convert.layers.layerwise import GROUP_CANDIDATES
 from uptrain.convert.layers.refine_layer import RefineSettings
 from uptrain.convert.pipeline import Planned, copied_as_bytes, finish_folder, kept_ranges, prepare, write_tensors
 from uptrain.convert.plan import ConversionPlan
@@ -108,7 +109,8 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
                    refine: RefineSettings | None = None,
                    on_planned: Callable[[dict[int, ConversionPlan]], None] | None = None,
                    extra_files: dict[str, str] | None = None,
-                   progress: Callable[[int, str], None] | None = None) -> dict[int, ConversionPlan]:
+                   progress: Callable[[int, str], None] | None = None,
+                   group_candidates: int = GROUP_CANDIDATES) -> dict[int, ConversionPlan]:
     """Convert `checkpoint` to each K/V count `n` into `outs[n]` (as `convert` would, one folder
     each), with one calibration pass and one read of each source tensor for all of them.
 
@@ -119,7 +121,8 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
     read (the sweep prints its estimate). extra_files: name -> text written into every folder
     (the sweep's ownership mark). progress: called with (count, line) for each layer a count has
     converted on the layer-at-a-time path (`prepare`'s progress: the layers done and the time left,
-    the refinement's line in it). Returns each count's plan (its record: `plan.record()`).
+    the refinement's line in it). group_candidates: `--group-candidates` (`prepare`). Returns each
+    count's plan (its record: `plan.record()`).
     """
     _check(outs, calibration)  # --refine without --calib: prepare's one-line error, as for one count
     max_shard = parse_size(max_shard_size)
@@ -140,7 +143,7 @@ def convert_counts(checkpoint: str, outs: dict[int, Path], method: str = "mean",
         try:
             source, plan, outputs, new_config = prepare(
                 checkpoint, count, method, seed, None, dtype, False, grouping, users[user],
-                refine=_labelled(refine, count), user=user,
+                refine=_labelled(refine, count), user=user, group_candidates=group_candidates,
                 progress=None if progress is None else lambda line, k=count: progress(k, line))
             check_output_path(outs[count], source.path, force)
             plan.notes.append(f"converted together with K/V counts {', '.join(map(str, counts))}: one read of the "

@@ -358,8 +358,10 @@ class Calibration:
                 self.activation_limit = available_memory() // 2
             return self.activation_limit
 
-    def describe(self, source_params: int) -> tuple[str, int]:
-        """The plan's note on this calibration and the bytes it holds at most (estimated from config.json)."""
+    def describe(self, source_params: int, attention_kept: bool = False) -> tuple[str, int]:
+        """The plan's note on this calibration and the bytes it holds at most (estimated from config.json);
+        attention_kept: the layer being made keeps its attention's inputs and outputs (float32) to measure
+        starts on (`--grouping similar`'s candidates)."""
         raw = read_config(self._model_dir)
         text = raw.get("text_config") or raw
         hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
@@ -374,7 +376,11 @@ class Calibration:
                 f"float32) + activations ({act_bytes / mib:.1f} MiB {str(dtype).removeprefix('torch.')}"
                 f"{', float32 would exceed the limit' if dtype != torch.float32 else ''}) + "
                 f"{sigma_bytes / mib:.1f} MiB of moments per layer run but not yet converted")
-        return note, layer_bytes + act_bytes + layers * sigma_bytes
+        kept = 2 * self.tokens * hidden * 4 if attention_kept else 0
+        if kept:
+            note += (f" + the attention's inputs and outputs of the layer being made ({kept / mib:.1f} MiB), to "
+                     f"measure its candidate head groupings")
+        return note, layer_bytes + act_bytes + layers * sigma_bytes + kept
 
     def _index(self, layer: str) -> int:
         """The decoder-layer index of an attention prefix: a loaded-module prefix of the stream

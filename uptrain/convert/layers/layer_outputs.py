@@ -23,7 +23,7 @@ import torch
 from uptrain.stopping import at_once
 from uptrain.convert.layers.calibrate import layer_index
 from uptrain.convert.layers.fit_start import clip_note
-from uptrain.convert.layers.layerwise import Layerwise, transform_layer
+from uptrain.convert.layers.layerwise import GROUP_SEQUENCES, Layerwise, candidate_orders, transform_layer
 from uptrain.convert.registry.architectures import Family
 from uptrain.errors import UsageError
 
@@ -175,10 +175,14 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     """One layer made: its start (`_start`; behind a key norm with --calib the fit's or mean pooling's,
     whichever the calibration text says is closer: `Layerwise.chooser`), refined where `--refine` asks."""
     settings, check = change.layerwise, None
-    if settings.chooser is not None and change.method == "fit" and settings.sigma is not None:
-        sigma = settings.sigma(layer)  # taken once, read by both starts (a sweep's user takes it once)
+    choosing = settings.chooser is not None and change.method == "fit"
+    if (choosing or settings.group_chooser is not None) and settings.sigma is not None:
+        sigma = settings.sigma(layer)  # taken once, read by every start (a sweep's user takes it once)
         change = replace(change, layerwise=replace(settings, sigma=lambda _: sigma))
-    start = _start(ts, layer, layer_norms, change, layout, change.method)
+    if settings.group_chooser is not None and not settings.orders_fixed:
+        change, start = _grouping_chosen(ts, layer, layer_norms, change, layout, layers)
+    else:
+        start = _start(ts, layer, layer_norms, change, layout, change.method)
     if settings.chooser is not None and change.method == "fit":
         mean = _start(ts, layer, layer_norms, change, layout, "mean")
         picked = settings.chooser.choose(layer, {"fit": start, "mean": mean})
@@ -193,6 +197,47 @@ def _make_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, 
     if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
         settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
     return done, check
+
+
+def _grouping_chosen(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[str, Any], change, layout: str | None,
+                     layers: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`--grouping similar` with --calib: the layer's start made in each candidate head order
+    (`candidate_orders`) and the one with the lowest output error on the calibration text kept
+    (`Layerwise.group_chooser`; the first, the similarity's best, where nothing was measured);
+    (`change` with the head order fixed, that start). The order goes into `permutations`, the errors
+    into `group_choice` and, after the last layer, the plan's notes."""
+    settings, d = change.layerwise, change.dims
+    projections = {k: v for k, v in ts.items() if not k.startswith("norm:")}
+    orders = candidate_orders(projections, d.heads, d.kv_heads, change.new_kv_heads, change.method, settings,
+                              layer, layout, settings.group_candidates)
+    fixed = replace(change, layerwise=replace(settings, orders_fixed=True))  # the same dicts: permutations, clip_seen
+    starts, clipped = [], []
+    for order in orders:
+        settings.permutations[layer] = order
+        starts.append(_start(ts, layer, layer_norms, fixed, layout, change.method))
+        clipped.append(settings.clip_seen.get(layer))
+    picked = (settings.group_chooser.choose(layer, dict(enumerate(starts)), "the candidate groupings'",
+                                            GROUP_SEQUENCES) if len(orders) > 1 else None)
+    best = picked[0] if picked is not None else 0
+    settings.permutations[layer] = orders[best]
+    if clipped[best] is not None:
+        settings.clip_seen[layer] = clipped[best]
+    settings.group_choice[layer_index(layer)] = {
+        "errors": [picked[1][i] for i in range(len(orders))] if picked is not None else None, "chosen": best}
+    if len(settings.group_choice) == layers and settings.notes is not None:
+        settings.notes.append(grouping_note(settings.group_choice))
+    return fixed, starts[best]
+
+
+def grouping_note(choice: dict[int, dict[str, Any]]) -> str:
+    """The plan's note on the head groupings measured per layer (`_grouping_chosen`)."""
+    moved = [i for i, c in sorted(choice.items()) if c["chosen"] != 0]
+    errors = "; ".join(f"{i}: {'/'.join(f'{e:.4g}' for e in c['errors']) if c['errors'] else 'one candidate'}"
+                       for i, c in sorted(choice.items()))
+    which = (f"another than the similarity's best on layer{'s' if len(moved) > 1 else ''} {', '.join(map(str, moved))}"
+             if moved else "the similarity's best on every layer")
+    return (f"head grouping chosen per layer among the candidates by the start's output error on "
+            f"the calibration text (layer: the candidates' errors, the similarity's best first; {errors}): {which}")
 
 
 def _check_whole(settings: Layerwise, layer: str, chosen: dict[str, torch.Tensor],
@@ -256,7 +301,7 @@ def _without_calibration(change):
     s = change.layerwise
     return replace(change, layerwise=replace(
         s, sigma=None, clip_qkv=None, clip_seen={}, permutations=dict(s.permutations), orders_fixed=True,
-        refiner=None, chooser=None, checker=None, kept=None, on_layer=None, notes=None))
+        refiner=None, chooser=None, group_chooser=None, checker=None, kept=None, on_layer=None, notes=None))
 
 
 def chosen_note(chosen: dict[int, dict[str, Any]]) -> str:

@@ -27,9 +27,15 @@ from uptrain.convert.registry.choices import (CALIB_HAS_NO_EFFECT, GROUPINGS, SI
 from uptrain.convert.layers.fit_start import KeyRule, fit_refusal, fit_start, key_rule, rotary_dims
 from uptrain.convert.math.fit import fit_keys_partial, fit_values, rotary_planes
 from uptrain.convert.math.normfit import merge_keys_under_norm, output_rms
-from uptrain.convert.math.grouping import group_permutation, head_similarity
+from uptrain.convert.math.grouping import candidate_groups, group_permutation, head_similarity
 from uptrain.convert.math.heads import merge_qkv, repeat_heads, split_qkv
 from uptrain.errors import UsageError
+
+
+# --grouping similar with --calib: the candidate groupings measured per layer (`candidate_orders`), each
+# on the first GROUP_SEQUENCES calibration sequences (the forward passes cost at 7B widths, not the choice)
+GROUP_CANDIDATES = 3
+GROUP_SEQUENCES = 8
 
 
 @dataclass
@@ -66,6 +72,11 @@ class Layerwise:
     checker: Any = None
     mean_outputs: list[Any] = field(default_factory=list)
     orders_fixed: bool = False  # --grouping similar: take each layer's head order from `permutations`
+    # --grouping similar with --calib: measures each layer's candidate groupings (`candidate_orders`) by
+    # their start's output error on the calibration text (`refine_layer.LayerRefiner.choose`); None: the similarity's
+    group_chooser: Any = None
+    group_candidates: int = GROUP_CANDIDATES  # how many (`--group-candidates`; 1: the similarity's best alone)
+    group_choice: dict[int, dict[str, Any]] = field(default_factory=dict)  # layer -> {"errors": [...], "chosen": i}
 
 
 def check_layerwise(family: Family, config: dict[str, Any], head_dim: int, method: str, grouping: str) -> None:
@@ -112,21 +123,12 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
     [new_kv, head_dim] where the fit merges keys behind a per-head or whole-projection norm.
     Outputs keep each source tensor's dtype.
     """
-    t = dict(tensors)
-    if qkv_layout is not None:  # fused (Phi-3): split, convert, merge back
-        hd_guess = t["o.weight"].shape[1] // heads
-        for param in ("weight", "bias"):
-            if f"qkv.{param}" in t:
-                t[f"q.{param}"], t[f"k.{param}"], t[f"v.{param}"] = split_qkv(
-                    t.pop(f"qkv.{param}"), qkv_layout, heads, kv_heads, hd_guess)
+    t = _mha_view(tensors, heads, kv_heads, qkv_layout)
     o = t["o.weight"]
     hd = o.shape[1] // heads
     d = t["q.weight"].shape[1]
-    for name in ("k.weight", "k.bias", "v.weight", "v.bias", "knorm.weight"):  # the MHA view
-        if name in t and kv_heads != heads:
-            t[name] = repeat_heads(t[name], kv_heads, heads)
     kv_bias = "k.bias" in t or "v.bias" in t
-    full = settings.sigma(layer).double() if settings.sigma else torch.eye(d + 1, dtype=torch.float64)
+    full = _moments(settings, layer, d)
     sig_kv = full if kv_bias else full[:d, :d]
     sig_q = full if "q.bias" in t else full[:d, :d]
     wq = _augment(t["q.weight"], t.get("q.bias"), heads, "q.bias" in t)
@@ -138,12 +140,10 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
 
     perm = list(range(heads))
     if settings.grouping == "similar" and settings.orders_fixed:
-        perm = settings.permutations[layer]  # the order the layer was converted in (the whole-model check)
+        # the order the layer was converted in (the whole-model check) or chosen among candidates (`_make_layer`)
+        perm = settings.permutations[layer]
     elif settings.grouping == "similar":
-        sim = head_similarity(_augment(t["k.weight"], t.get("k.bias"), heads, True),
-                              _augment(t["v.weight"], t.get("v.bias"), heads, True), full,
-                              aligned=method == "fit" and rule.norm is None, planes=rotary_planes(hd, settings.interleaved))
-        perm = group_permutation(sim, new_kv)
+        perm = group_permutation(_similarity(t, heads, full, method == "fit" and rule.norm is None, settings), new_kv)
         settings.permutations[layer] = perm
     if perm != list(range(heads)):  # one at a time: at 70B widths each is a 512 MiB float64 copy
         wq = wq[perm]
@@ -174,6 +174,48 @@ def transform_layer(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
                 dtype = tensors[f"qkv.{param}"].dtype
                 out[f"qkv.{param}"] = merge_qkv(*[p.to(dtype) for p in parts], qkv_layout, hd)
     return {name: value.to(tensors[name].dtype).contiguous() for name, value in out.items()}
+
+
+def candidate_orders(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int, new_kv: int, method: str,
+                     settings: Layerwise, layer: str, qkv_layout: str | None, count: int) -> list[list[int]]:
+    """`--grouping similar`'s candidate head orders of one layer (new position -> source head), up to
+    `count`: the grouping `transform_layer` makes first, then other partitions the search ends at
+    (`grouping.candidate_groups`), on the same similarity. `tensors` as `transform_layer` takes them."""
+    t = _mha_view(tensors, heads, kv_heads, qkv_layout)
+    hd = t["o.weight"].shape[1] // heads
+    aligned = method == "fit" and key_rule(settings, hd).norm is None
+    sim = _similarity(t, heads, _moments(settings, layer, t["q.weight"].shape[1]), aligned, settings)
+    return [[h for part in parts for h in part] for parts in candidate_groups(sim, new_kv, count)]
+
+
+def _mha_view(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int,
+              qkv_layout: str | None) -> dict[str, torch.Tensor]:
+    """The layer's tensors with a fused qkv split (Phi-3) and every K/V tensor repeated to one per query head."""
+    t = dict(tensors)
+    if qkv_layout is not None:  # fused (Phi-3): split, convert, merge back
+        hd_guess = t["o.weight"].shape[1] // heads
+        for param in ("weight", "bias"):
+            if f"qkv.{param}" in t:
+                t[f"q.{param}"], t[f"k.{param}"], t[f"v.{param}"] = split_qkv(
+                    t.pop(f"qkv.{param}"), qkv_layout, heads, kv_heads, hd_guess)
+    for name in ("k.weight", "k.bias", "v.weight", "v.bias", "knorm.weight"):  # the MHA view
+        if name in t and kv_heads != heads:
+            t[name] = repeat_heads(t[name], kv_heads, heads)
+    return t
+
+
+def _moments(settings: Layerwise, layer: str, d: int) -> torch.Tensor:
+    """[d+1, d+1] float64: the layer's augmented attention-input second moment, the identity without calibration."""
+    return settings.sigma(layer).double() if settings.sigma else torch.eye(d + 1, dtype=torch.float64)
+
+
+def _similarity(t: dict[str, torch.Tensor], heads: int, full: torch.Tensor, aligned: bool,
+                settings: Layerwise) -> torch.Tensor:
+    """[heads, heads] `head_similarity` of the MHA-view keys and values (bias columns included)."""
+    hd = t["o.weight"].shape[1] // heads
+    return head_similarity(_augment(t["k.weight"], t.get("k.bias"), heads, True),
+                           _augment(t["v.weight"], t.get("v.bias"), heads, True), full,
+                           aligned=aligned, planes=rotary_planes(hd, settings.interleaved))
 
 
 def _unaugmented(wq: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, wo: torch.Tensor,
@@ -232,12 +274,13 @@ def _merge_groups(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torc
 
 def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_heads: int, head_dim: int,
                        new_kv: int, method: str, grouping: str, calibration=None, refine: bool = False,
-                       user: int = 0) -> Layerwise | None:
+                       user: int = 0, group_candidates: int = GROUP_CANDIDATES) -> Layerwise | None:
     """The `Layerwise` of a conversion, None for the per-tensor path; UsageError where not possible.
 
     calibration: a bound `calibrate.Calibration` (Σ from real text) or None (Σ = I).
     refine: `--refine` (every method goes layer at a time; the pipeline sets `refiner`).
     user: which of the calibration's users takes the moments (a sweep's K/V count).
+    group_candidates: `--group-candidates` (measured only with `--grouping similar` and a calibration).
     """
     if grouping not in GROUPINGS:
         raise UsageError(f"--grouping must be one of {', '.join(GROUPINGS)}, not {grouping!r}")
@@ -253,7 +296,8 @@ def layerwise_settings(family: Family, config: dict[str, Any], heads: int, kv_he
                      sigma=partial(calibration.sigma, user=user) if calibration is not None else None,
                      rotary_dims=rotary_dims(config, head_dim), key_norm=family.key_norm_in(config) if fit else None,
                      norm_centred=family.key_norm_centred, clip_qkv=config.get("clip_qkv") if fit else None,
-                     start_note=fit_start(family, config, head_dim) if fit else None)
+                     start_note=fit_start(family, config, head_dim) if fit else None,
+                     group_candidates=group_candidates)
 
 
 def describe_layerwise(plan, settings: Layerwise | None, calibration, source_params: int) -> None:
@@ -266,7 +310,11 @@ def describe_layerwise(plan, settings: Layerwise | None, calibration, source_par
         plan.notes.append(settings.start_note)
     if settings.grouping == "similar":
         plan.head_order = settings.permutations  # the same dict: filled as layers are converted
+    if settings.group_chooser is not None:
+        plan.grouping_choice = settings.group_choice  # idem
     if calibration is not None:
         plan.calibration = calibration.record  # the same dict: tokens used and seconds appear once it ran
-        note, plan.calibration["memory_bytes"] = calibration.describe(source_params)
+        # the measured grouping keeps each layer's attention inputs and outputs (--refine's estimate counts them)
+        measures = settings.group_chooser is not None and settings.refiner is None
+        note, plan.calibration["memory_bytes"] = calibration.describe(source_params, measures)
         plan.notes.append(note)

@@ -231,19 +231,22 @@ class LayerRefiner:
         self._log(original.index, result, began)
         return self._refined(student, start)
 
-    def choose(self, layer: str, starts: dict[str, dict[str, Tensor]]) -> tuple[str, dict[str, float]] | None:
+    def choose(self, layer: str, starts: dict[Any, dict[str, Tensor]], what: str = "the fit's or mean pooling's",
+               sequences: int | None = None) -> tuple[Any, dict[Any, float]] | None:
         """Which of `starts` (name -> a closed-form start of attention `layer`, role.param -> tensor) is
         closest to the original layer on the calibration text: the lowest relative output error
-        ||y' - y||² / ||y||² over every calibration sequence (`refine.relative_error`); (its name, each
-        start's error); None where the model was calibrated whole (no layer's inputs to measure on).
+        ||y' - y||² / ||y||² over every calibration sequence, or the first `sequences`
+        (`refine.relative_error`); (its name, each start's error); None where the model was calibrated
+        whole (no layer's inputs to measure on). `what` names the starts in the progress line.
         Behind a key norm the fit's linear picture can miss (issue 50: trained Qwen3-style layers where
-        mean pooling's start was closer), so the start is the better of the two, measured."""
+        mean pooling's start was closer), so the start is the better of the two, measured; a head
+        grouping is chosen the same way (`layer_outputs._grouping_chosen`)."""
         if not self.calibration.streamed:
             return None
         original = self.calibration.layer(layer, self.user)
-        with self._phase(original.index)("the start: the fit's or mean pooling's, by their calibration error"):
+        with self._phase(original.index)(f"the start: {what}, by their calibration error"):
             inputs, call, targets = self._examples(original)
-            every = range(len(inputs))
+            every = range(len(inputs) if sequences is None else min(sequences, len(inputs)))
             errors = {name: refine.relative_error(
                 student_attention(original, self.config, self.family, start, original.device), call, inputs, targets,
                 every) for name, start in starts.items()}

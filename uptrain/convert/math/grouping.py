@@ -94,10 +94,17 @@ def equal_groups(similarity: torch.Tensor, groups: int) -> list[list[int]]:
     Groups come out sorted by their smallest head, heads sorted within a group: deterministic.
     """
     s = _symmetric(similarity)
-    n = s.shape[0]
-    group = torch.empty(n, dtype=torch.long)  # [H]: the group of each head
+    group = torch.empty(s.shape[0], dtype=torch.long)  # [H]: the group of each head
     for g, part in enumerate(greedy_groups(s, groups)):
         group[part] = g
+    return _parts(_exchanged(s, group, groups), groups)
+
+
+def _exchanged(s: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """The exchange search of `equal_groups` from `group` ([H], each head's group; changed in place
+    and returned): the best exchange of two heads of different groups while one raises the objective
+    of the symmetric, zero-diagonal `s` [H, H] float64."""
+    n = s.shape[0]
     # Each exchange raises the objective by more than tol, so the loop ends (finitely many
     # partitions); the cap only bounds the time should rounding ever make it cycle.
     tol = 1e-12 * max(1.0, s.abs().max().item())
@@ -113,8 +120,44 @@ def equal_groups(similarity: torch.Tensor, groups: int) -> list[list[int]]:
         if gain[a, b] <= tol:
             break
         group[a], group[b] = group[b].clone(), group[a].clone()
-    parts = [torch.nonzero(group == g)[:, 0].tolist() for g in range(groups)]
-    return sorted(parts)
+    return group
+
+
+def _parts(group: torch.Tensor, groups: int) -> list[list[int]]:
+    """[H] group of each head -> the groups' heads, sorted within and by their smallest head."""
+    return sorted(torch.nonzero(group == g)[:, 0].tolist() for g in range(groups))
+
+
+def _score(s: torch.Tensor, parts: list[list[int]]) -> float:
+    """The objective of `parts` on the symmetric, zero-diagonal `s`: within-group pairs summed once."""
+    return sum(float(s[p][:, p].sum()) for p in (torch.tensor(q) for q in parts)) / 2
+
+
+def candidate_groups(similarity: torch.Tensor, groups: int, count: int, tries: int = 16) -> list[list[list[int]]]:
+    """Up to `count` distinct equal partitions worth measuring (`--grouping similar` with --calib picks
+    among them by the output error on the calibration text: the similarity's best is not always the
+    partition that converts best, results/grouping-choice.md).
+
+    similarity: [H, H]. The first is `equal_groups`' partition; the others are where the same
+    exchange search ends from `tries` random equal partitions (a fixed seed: deterministic), highest
+    objective first (ties: the smaller partition in list order), each a partition no single exchange
+    improves. Fewer than `count` where the searches end at fewer distinct partitions (one group: one).
+    Each partition in `equal_groups`' form (sorted within, groups by their smallest head).
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    first = equal_groups(similarity, groups)
+    s = _symmetric(similarity)
+    n = s.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    found: dict[str, list[list[int]]] = {}
+    for _ in range(tries if count > 1 else 0):
+        group = torch.randperm(n, generator=gen).argsort() // (n // groups)  # [H]: a random equal partition
+        parts = _parts(_exchanged(s, group, groups), groups)
+        found.setdefault(repr(parts), parts)
+    found.pop(repr(first), None)
+    others = sorted(found.values(), key=lambda parts: (-_score(s, parts), parts))
+    return [first, *others][:count]
 
 
 def group_permutation(similarity: torch.Tensor, groups: int) -> list[int]:
