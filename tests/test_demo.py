@@ -315,3 +315,13 @@ def test_a_source_that_copies_across_its_window_is_uptrained_in_blocks_of_it(tmp
     assert re.search(r"training blocks: 128 tokens \(the config's\): .* removes \d% of its loss", capsys.readouterr().out)
     assert training_blocks(SimpleNamespace(overrides=["data.seq_len=256"]), copier, TRAIN_TXT) == []
     assert capsys.readouterr().out == ""  # the user's blocks: no probe, no line
+
+
+def test_the_calibration_default_follows_the_training_text():
+    """65,536 tokens (measured better than 16,384: results/quality-curve.md); with --teacher-samples N at
+    most N/2, so the samples' training part holds them; as asked when asked."""
+    from uptrain.demo.run import calib_tokens
+    assert calib_tokens(None, None) == 65536
+    assert calib_tokens(None, 3_600_000) == 65536
+    assert calib_tokens(None, 6000) == 3000
+    assert calib_tokens(4096, 3_600_000) == 4096 and calib_tokens(0, None) == 0

@@ -20,8 +20,8 @@ from uptrain.data import DataSource, read_documents
 from uptrain.demo import AS_IT_WAS, __doc__ as DEMO_DOC
 from uptrain.demo.record import DemoRecord, demo_key, earlier_digests
 from uptrain.demo.steps import (  # noqa: F401 (the demo's paths and defaults: public here too)
-    CONFIG, EXAMPLES, REFINE_STEPS, REPO, TRAIN, VALID, _shown, check_first, convert_step, samples_step,
-    say_repeats, uptrain_step)
+    CALIB_TOKENS, CONFIG, EXAMPLES, REFINE_STEPS, REPO, TRAIN, VALID, _shown, calib_tokens,
+    check_first, convert_step, samples_step, say_repeats, uptrain_step)
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.measure.kv_cache import FORMATS, KVFormat, check_paths, kv_format
@@ -111,8 +111,9 @@ def _parser() -> ArgParser:
                    help="conversion method (fit: least squares with Q/O compensation; mean: the paper's)")
     p.add_argument("--grouping", choices=GROUPINGS, default="similar",
                    help="which query heads share a K/V head (similar: equal groups of the most alike heads)")
-    p.add_argument("--calib-tokens", type=int, default=16384,
-                   help="--method fit: calibration tokens from the training sample (0: weights only)")
+    p.add_argument("--calib-tokens", type=int, default=None,
+                   help=f"--method fit: calibration tokens from the training text (0: weights only; default "
+                        f"{CALIB_TOKENS:,}, with --teacher-samples N at most N/2)")
     p.add_argument("--refine-steps", type=int, default=REFINE_STEPS,
                    help="layer-wise reconstruction after the closed-form start (convert --refine): at most N "
                         f"Adam steps per layer on the calibration tokens (default {REFINE_STEPS}; 0: none)")
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 @exit_on_usage_error
 def _demo(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    args.calib_tokens = calib_tokens(args.calib_tokens, args.teacher_samples)  # (the demo's record key holds it)
     threads = start_threads(args.threads).threads
     bundled = EXAMPLES / "stories260K-mha8"
     if args.model is None and not bundled.is_dir():
