@@ -5,9 +5,11 @@
         --calib runs/demo-nodata-t12/data/samples.jsonl --calib-tokens 16384 --refine --threads 1 --force \\
         --out runs/quality-curve/start-demo-forced4
 
-Runs `python -m uptrain.convert` with the arguments after `--`, except that layer `--layer`'s
-`--grouping similar` permutation (new position -> source head) is replaced by `--order`: every other
-layer, the calibration and the refinement as the converter makes them. An experiment, not a feature
+Runs `python -m uptrain.convert` with the arguments after `--` and `--group-candidates 1` (the
+similarity's grouping alone, as the converter made it when this ran; the measured choice among
+candidates does not call `group_permutation`), except that layer `--layer`'s `--grouping similar`
+permutation (new position -> source head) is replaced by `--order`: every other layer, the
+calibration and the refinement as the converter makes them. An experiment, not a feature
 (results/quality-curve.md: the no-data start's gap after training was this one layer's grouping).
 """
 
@@ -41,7 +43,7 @@ def main() -> int:
     layerwise.group_permutation = forced
     from uptrain.convert.__main__ import main as convert
 
-    return convert([a for a in args.convert if a != "--"])
+    return convert([*(a for a in args.convert if a != "--"), "--group-candidates", "1"])
 
 
 if __name__ == "__main__":

@@ -93,7 +93,11 @@ def equal_groups(similarity: torch.Tensor, groups: int) -> list[list[int]]:
     greedy start (or after 100·H exchanges, which random 64-head matrices never come near).
     Groups come out sorted by their smallest head, heads sorted within a group: deterministic.
     """
-    s = _symmetric(similarity)
+    return _searched(_symmetric(similarity), groups)
+
+
+def _searched(s: torch.Tensor, groups: int) -> list[list[int]]:
+    """`equal_groups` on the symmetric, zero-diagonal `s` [H, H] float64."""
     group = torch.empty(s.shape[0], dtype=torch.long)  # [H]: the group of each head
     for g, part in enumerate(greedy_groups(s, groups)):
         group[part] = g
@@ -146,8 +150,8 @@ def candidate_groups(similarity: torch.Tensor, groups: int, count: int, tries: i
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
-    first = equal_groups(similarity, groups)
     s = _symmetric(similarity)
+    first = _searched(s, groups)
     n = s.shape[0]
     gen = torch.Generator().manual_seed(0)
     found: dict[str, list[list[int]]] = {}
