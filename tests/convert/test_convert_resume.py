@@ -64,6 +64,10 @@ def _assert_same_output(got: Path, want: Path) -> None:
     assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
     records = [json.loads((f / "uptrain_conversion.json").read_text()) for f in (got, want)]
     assert records[0]["head_order"] == records[1]["head_order"]
+    # the measured choices (errors and picks) of the kept layers come back into the record and its notes
+    assert records[0]["grouping_choice"] == records[1]["grouping_choice"]
+    resumed = [n for n in records[0]["notes"] if not n.startswith("continues an interrupted conversion")]
+    assert resumed == records[1]["notes"]
     rows = [(r["refinement"] or {}).get("layers", []) for r in records]
     assert [(r["layer"], r["error_after"]) for r in rows[0]] == [(r["layer"], r["error_after"]) for r in rows[1]]
 

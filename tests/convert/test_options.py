@@ -49,3 +49,46 @@ def test_the_sweep_says_whose_numbers_its_table_and_recommendation_are(tmp_path,
     assert said != quality, out[-2000:]
     recommendation = next(line for line in out.splitlines() if "recommended" in line or "none of the counts" in line)
     assert ("(mean start: see the note)" in recommendation) != quality, recommendation
+
+
+def test_group_candidates_is_refused_wherever_no_grouping_is_measured():
+    """`--group-candidates` does something only with --grouping similar and calibration text: given
+    anywhere else it is refused (it was accepted and ignored), in the check both commands share."""
+    from uptrain.convert.options import GROUP_CANDIDATES_UNUSED
+    from uptrain.errors import UsageError
+
+    checked = 0
+    for method, grouping, calib, refine in itertools.product(["mean", "first", "random", "fit"], ["contiguous", "similar"],
+                                                             [None, TRAIN_TXT], [False, True]):
+        plain = ConversionOptions(method=method, grouping=grouping, calib=calib, refine=refine)
+        try:
+            plain.check()
+        except UsageError:
+            continue  # refused for another reason already
+        given = ConversionOptions(method=method, grouping=grouping, calib=calib, refine=refine, group_candidates=2)
+        applies = grouping == "similar" and plain.calibrated
+        if applies:
+            given.check()
+            assert given.record()["group_candidates"] == 2 and plain.record()["group_candidates"] == 3
+        else:
+            with pytest.raises(UsageError, match="applies only with --grouping similar and --calib"):
+                given.check()
+            assert str(UsageError(GROUP_CANDIDATES_UNUSED)).count("\n") == 0
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("command", ["convert", "sweep"])
+def test_both_commands_refuse_group_candidates_without_a_measured_grouping(command, tmp_path, capsys):
+    """At each entry point: one line naming the option, exit 2, nothing written."""
+    if command == "convert":
+        from uptrain.convert.__main__ import main
+        argv = [str(EXAMPLE_MHA8), "--kv-heads", "2", "--method", "fit", "--calib", str(TRAIN_TXT)]
+    else:
+        from uptrain.sweep.run import main
+        argv = [str(EXAMPLE_MHA8), "--data", str(VALID_TXT), "--kv-heads", "4", "--method", "fit", "--calib",
+                str(TRAIN_TXT)]
+    assert main([*argv, "--group-candidates", "2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--group-candidates applies only with --grouping similar and --calib" in err, err
+    assert not (tmp_path / "out").exists()

@@ -151,6 +151,9 @@ def test_a_stopped_conversion_continued_checks_the_whole_model_the_same(pause, t
     want = trained["record"]["whole_model"]
     assert record["whole_model"]["written"] == want["written"] == "mean", record["whole_model"]
     assert record["whole_model"]["kl_chosen"] == pytest.approx(want["kl_chosen"], rel=1e-4)
+    # the per-layer start choice of the kept layers comes back into the notes as measured then
+    chosen = [[n for n in r["notes"] if n.startswith("start behind the key norm")] for r in (record, trained["record"])]
+    assert len(chosen[1]) == 1 and chosen[0] == chosen[1], chosen
     written, uninterrupted, mean = (_tensors(f) for f in (out, trained["base"] / "fit", trained["base"] / "mean"))
     for name in written:
         torch.testing.assert_close(written[name], uninterrupted[name], rtol=0, atol=1e-6, msg=name)

@@ -90,7 +90,8 @@ def _prepare_args(args: argparse.Namespace, calibration: Any = None) -> dict[str
     return dict(checkpoint=args.checkpoint, kv_heads=args.kv_heads, method=args.method, seed=args.seed,
                 revision=args.revision, dtype=DTYPES.get(args.dtype), grouping=args.grouping,
                 calibration=calibration, headers_only=args.dry_run, refine=refine, allow_same=False,
-                progress=None if args.dry_run else print_line, out=args.out, group_candidates=args.group_candidates)
+                progress=None if args.dry_run else print_line, out=args.out,
+                group_candidates=conversion_options(args).candidates)
 
 
 def _convert_while_planning(args: argparse.Namespace, kept: list[StoredRange], max_shard: int,

@@ -28,6 +28,8 @@ DEFAULT_CALIB_TOKENS = 32768
 DEFAULT_REFINE_STEPS = 400  # refine.STEPS (kept equal by tests/convert/test_refine.py)
 DEFAULT_REFINE_LR = 6e-2  # refine.LR (idem)
 DEFAULT_GROUP_CANDIDATES = 3  # layerwise.GROUP_CANDIDATES (idem: tests/convert/test_grouping.py)
+GROUP_CANDIDATES_UNUSED = ("--group-candidates applies only with --grouping similar and --calib (each layer's "
+                           "candidate head groupings are measured on the calibration text): drop it, or add them")
 QUALITY_PATH = "--method fit --grouping similar --calib TRAIN.txt --refine"  # the best start measured
 
 
@@ -55,7 +57,12 @@ class ConversionOptions:
     refine_inputs: str = "original"
     seed: int = 0
     device: str = "cpu"
-    group_candidates: int = DEFAULT_GROUP_CANDIDATES
+    group_candidates: int | None = None  # None: not given (DEFAULT_GROUP_CANDIDATES where it applies)
+
+    @property
+    def candidates(self) -> int:
+        """The head groupings measured per layer: `--group-candidates`, or its default where not given."""
+        return DEFAULT_GROUP_CANDIDATES if self.group_candidates is None else self.group_candidates
 
     @property
     def calibrated(self) -> bool:
@@ -69,9 +76,11 @@ class ConversionOptions:
         so calibration text the conversion does not read is not refused."""
         if self.calib_tokens <= 0:
             raise UsageError(f"--calib-tokens must be positive, got {self.calib_tokens}")
-        if self.group_candidates < 1:
+        if self.group_candidates is not None and self.group_candidates < 1:
             raise UsageError(f"--group-candidates must be at least 1 (1: the similarity's best alone), got "
                              f"{self.group_candidates}")
+        if self.group_candidates is not None and not (self.grouping == "similar" and self.calibrated):
+            raise UsageError(GROUP_CANDIDATES_UNUSED)
         if self.refine and self.calib is None:
             raise UsageError(REFINE_NEEDS_CALIB)
         if self.refine and self.method == "random":
@@ -120,7 +129,7 @@ class ConversionOptions:
                 "refine_lr": self.refine_lr if self.refine else None,
                 "refine_inputs": self.refine_inputs if self.refine else None,
                 "seed": self.seed if self.method == "random" else None,
-                "group_candidates": self.group_candidates if calibrated and self.grouping == "similar" else None}
+                "group_candidates": self.candidates if calibrated and self.grouping == "similar" else None}
 
     def calibration(self) -> Any:
         """A fresh `Calibration` of the text where this conversion uses it, else None (imports torch)."""
@@ -171,7 +180,7 @@ def add_conversion_args(p: argparse.ArgumentParser, calib_help: str = "") -> Non
     p.add_argument("--refine-inputs", choices=REFINE_INPUTS, default="original",
                    help="each layer learns on the original model's activations (default; measured as good, "
                         "results/refine.md) or on the converted model's own (one more activation copy)")
-    p.add_argument("--group-candidates", type=int, default=DEFAULT_GROUP_CANDIDATES, metavar="N",
+    p.add_argument("--group-candidates", type=int, metavar="N",
                    help=f"--grouping similar with --calib: make each layer's start in up to N candidate head "
                         f"groupings and keep the one of lowest output error on the calibration text (default "
                         f"{DEFAULT_GROUP_CANDIDATES}; 1: the similarity's best alone; each extra candidate costs one "

@@ -253,7 +253,7 @@ def _check_conversions(folder: Path, jobs: list[tuple[str, ConversionOptions, di
     for _, options, _ in jobs:
         prepare(str(folder), counts[-1], options.method, options.seed, grouping=options.grouping,
                 calibration=options.calibration(), refine=options.refine_settings(),
-                group_candidates=options.group_candidates)
+                group_candidates=options.candidates)
 
 
 def _uptrained_folders(args, jobs) -> list[Path]:
@@ -317,7 +317,7 @@ def _convert_together(args, folder: Path, sweep: SweepFolder, name: str, options
         print(f"   warning: {calibration.record['warning']}", flush=True)
     convert_counts(str(folder), {n: outs[n] for n in counts}, options.method, seed=options.seed, force=True,
                    calibration=calibration, grouping=options.grouping, refine=refine,
-                   group_candidates=options.group_candidates,
+                   group_candidates=options.candidates,
                    on_planned=lambda plans: print_estimate(plans, score_s), extra_files={MARK: sweep.id + "\n"},
                    progress=lambda count, line: print(f"   kv{count}: {line}", flush=True))
     if calibration is not None and calibration.record.get("near_chance"):

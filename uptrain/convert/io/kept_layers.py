@@ -21,7 +21,8 @@ What a kept layer holds: the layer's output tensors exactly as the conversion ma
 "q.weight", "o.weight", "norm:<name>", ...), with `--refine-inputs converted` also the refined
 attention module's float32 parameters ("student:<name>", which advance the converted activations
 exactly as an uninterrupted run does), and a JSON note (the refinement's record row, the head
-order of `--grouping similar`, the clamp's activity for clip_qkv). Standard library, torch and
+order of `--grouping similar`, the clamp's activity for clip_qkv, the errors each measured choice of
+grouping or start was made by). Standard library, torch and
 safetensors only; no model code.
 """
 

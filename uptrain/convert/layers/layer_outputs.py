@@ -130,7 +130,8 @@ def _convert_layer(ts: dict[str, torch.Tensor], layer: str, layer_norms: dict[st
         refiner = settings.refiner
         student = getattr(refiner, "last_state", None) or {}
         note = {"head_order": settings.permutations.get(layer), "clip_seen": settings.clip_seen.get(layer),
-                "refine": (refiner.record.get("layers") or [None])[-1] if refiner is not None else None}
+                "refine": (refiner.record.get("layers") or [None])[-1] if refiner is not None else None,
+                "grouping_choice": settings.group_choice.get(index), "start_choice": settings.chosen.get(index)}
         at_once.pause(f"keeping-{index}")
         settings.kept.save(index, {**done, **{f"student:{k}": v for k, v in student.items()}}, note)
         at_once.pause(f"kept-{index}")
@@ -149,7 +150,8 @@ def _kept_layer(found: tuple[dict[str, torch.Tensor], dict[str, Any]], layer: st
                 settings: Layerwise, layers: int) -> dict[str, torch.Tensor]:
     """A layer an interrupted run kept: its tensors as they were made, the calibration stream taken
     past it as making it would (its moments, the refiner's layer and converted activations), and
-    what the plan records of it (head order, the clamp's activity, the refinement's row) put back."""
+    what the plan records of it (head order, the clamp's activity, the refinement's row, the measured
+    grouping and start choices) put back."""
     tensors, note = found
     student = {k[len("student:"):]: v for k, v in tensors.items() if k.startswith("student:")}
     done = {k: v for k, v in tensors.items() if not k.startswith("student:")}
@@ -161,6 +163,12 @@ def _kept_layer(found: tuple[dict[str, torch.Tensor], dict[str, Any]], layer: st
         settings.clip_seen[layer] = tuple(note["clip_seen"])
     if settings.refiner is not None:
         settings.refiner.replay(layer, student, note.get("refine") or {})
+    for key, measured, note_of in (("grouping_choice", settings.group_choice, grouping_note),
+                                   ("start_choice", settings.chosen, chosen_note)):
+        if note.get(key) is not None:  # what was measured when the layer was made: the record and notes keep it
+            measured[index] = note[key]
+            if len(measured) == layers and settings.notes is not None:
+                settings.notes.append(note_of(measured))
     if settings.clip_qkv and len(settings.clip_seen) == layers and settings.notes is not None:
         settings.notes.append(clip_note(settings.clip_seen, settings.clip_qkv, settings.sigma is not None))
     if settings.on_layer is not None:
