@@ -325,3 +325,37 @@ def test_the_calibration_default_follows_the_training_text():
     assert calib_tokens(None, 3_600_000) == 65536
     assert calib_tokens(None, 6000) == 3000
     assert calib_tokens(4096, 3_600_000) == 4096 and calib_tokens(0, None) == 0
+
+
+def test_the_context_tail_trains_the_uptrained_model_in_blocks_of_the_models_window(tmp_path, capsys):
+    """--context-tail N: a second trainer run from the uptrained model, N tokens in blocks of the model's
+    scoring window (512 for the bundled model, not the config's 128), as many tokens a step, TAIL_LR of
+    the peak lr; its model is the table's last row. Refused in one line, before --out is made, where
+    the window is no longer than the blocks or nothing is uptrained."""
+    import yaml
+
+    from uptrain.demo.steps import TAIL_LR
+
+    out = tmp_path / "demo"
+    assert main(["--out", str(out), "--stories", "2", "--calib-tokens", "1024", "--refine-steps", "5", "--tasks", "none",
+                 "--context-tail", "4096", "budget.tokens=4096", "optim.lr=5e-4", "log.progress_bar=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "== context tail: 4,096 tokens more in 512-token blocks (the model's window)" in printed
+    main_run, tail = (yaml.safe_load((out / d / "run.yaml").read_text()) for d in ("uptrain", "context"))
+    assert (main_run["data"]["seq_len"], tail["data"]["seq_len"]) == (128, 512)
+    assert tail["batch"]["micro_batch"] * 512 == main_run["batch"]["micro_batch"] * 128  # the same tokens a micro step
+    assert tail["model"] == str(out / "uptrain" / "model") and tail["budget"]["tokens"] == 4096
+    assert tail["optim"]["lr"] == pytest.approx(5e-4 * TAIL_LR) and tail["distill"] == main_run["distill"]
+    rows = re.findall(r"\| (GQA-2, uptrained[^|]*|GQA-2, \+ 4,096 tokens at 512[^|]*)\| ([0-9.]+)", printed)
+    assert [r[0].strip() for r in rows] == ["GQA-2, uptrained, distilled alpha_kd 1.0", "GQA-2, + 4,096 tokens at 512"]
+    from safetensors.torch import load_file
+
+    before, after = (load_file(out / d / "model" / "model.safetensors") for d in ("uptrain", "context"))
+    assert any(not before[k].equal(after[k]) for k in before)  # trained further, from the uptrained weights
+    for extra, said in ((["--skip-uptrain"], "--context-tail continues the uptraining"),
+                        (["data.seq_len=512", "batch.micro_batch=2"], "no longer than the uptraining's blocks")):
+        bad = tmp_path / "bad"
+        assert main(["--out", str(bad), "--context-tail", "4096", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+        assert not bad.exists()

@@ -175,3 +175,31 @@ def test_a_demo_stopped_in_its_uptrainings_set_up_keeps_the_conversion_and_the_r
     assert "kept from the earlier run" in before_uptraining and "calibrat" not in before_uptraining.split("kept")[-1]
     assert "continues from checkpoint" not in again.stdout and "resuming from" not in again.stdout
     assert (out / "uptrain" / "model" / "config.json").is_file()
+
+
+def test_a_demo_stopped_in_its_context_tail_continues_from_its_checkpoint_and_ends_as_an_uninterrupted_one(tmp_path):
+    """--context-tail's trainer run is a step of the demo like the uptraining: a stop in its steps says what
+    is kept, the rerun keeps the conversion and the uptraining and resumes the tail, bit for bit."""
+    from safetensors.torch import load_file
+
+    out, whole = tmp_path / "demo", tmp_path / "whole"
+    args = [a for a in DEMO_ARGS if not a.startswith("budget.tokens=")]  # 2 uptraining steps, 6 of the tail
+    command = [sys.executable, "-m", "uptrain.demo", *args, "budget.tokens=4096", "--context-tail", "12288"]
+    # step 4 is reached only by the tail (the uptraining has 2 steps)
+    code, err = _stopped([*command, "--out", str(out)], "SIGTERM", {"UPTRAIN_TEST_SIGNAL_AT": "4:0:SIGTERM"}, "")
+    assert code == 143 and "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert LINE.match(line) and "keeps: convert, uptrain" in line and "the context tail's last checkpoint" in line, line
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "== uptrain: kept from the earlier run" in again.stdout
+    assert "== context tail" in again.stdout and "continues from checkpoint-00000004" in again.stdout
+    assert "resuming from" in again.stdout.split("== context tail")[1]  # the trainer's own resume, not step 0
+    done = subprocess.run([*command, "--out", str(whole)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = lambda text: [row for row in text.splitlines() if row.startswith("| ")]  # noqa: E731
+    assert table(again.stdout) == table(done.stdout)
+    ours, theirs = (load_file(folder / "context" / "model" / "model.safetensors") for folder in (out, whole))
+    assert all(ours[k].equal(theirs[k]) for k in theirs)  # resumed: bit for bit the uninterrupted run

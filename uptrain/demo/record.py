@@ -20,7 +20,7 @@ from pathlib import Path
 from uptrain.errors import UsageError
 
 DEMO_MARK = ".uptrain-demo"
-STEPS = ("samples", "convert", "uptrain")
+STEPS = ("samples", "convert", "uptrain", "context")
 _UNKEYED = ("out", "threads")  # where the demo writes and how fast: the same steps either way
 
 

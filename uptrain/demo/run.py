@@ -21,7 +21,7 @@ from uptrain.demo import AS_IT_WAS, __doc__ as DEMO_DOC
 from uptrain.demo.record import DemoRecord, demo_key, earlier_digests
 from uptrain.demo.steps import (  # noqa: F401 (the demo's paths and defaults: public here too)
     CALIB_TOKENS, CONFIG, EXAMPLES, REFINE_STEPS, REPO, TRAIN, VALID, _shown, calib_tokens,
-    check_first, convert_step, samples_step, say_repeats, uptrain_step)
+    check_first, context_step, convert_step, samples_step, say_repeats, uptrain_step)
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.measure.kv_cache import FORMATS, KVFormat, check_paths, kv_format
@@ -120,6 +120,11 @@ def _parser() -> ArgParser:
     p.add_argument("--alpha-kd", type=float, default=RECIPE["distill.alpha_kd"],
                    help="share of the distillation loss from the MHA source (0: plain LM uptraining; default: "
                         "the recipe's, uptrain/train/recipe.py)")
+    p.add_argument("--context-tail", type=positive_int, default=None, metavar="N",
+                   help="after the uptraining, N tokens more in blocks of the model's whole scoring window (512 for "
+                        "the bundled model; the uptraining's are 128), at 0.4 x its peak lr: the positions past "
+                        "its blocks, which a long run in short blocks erodes (results/quality-curve.md); its model "
+                        "is the table's last row")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")
     p.add_argument("--stories", type=positive_int, default=None, help="score only the first N held-out stories")
     p.add_argument("--valid", type=Path, default=None,
@@ -170,7 +175,7 @@ def _demo(argv: list[str] | None) -> int:
     if args.data is not None and args.teacher_samples:
         raise UsageError("give --data (your text) or --teacher-samples N (the source writes the text), not both")
     own_texts = split_documents_of(args.data) if args.data is not None else None
-    budget = check_first(args, source, threads)  # --valid, the uptraining's overrides: before any sample is drawn
+    budget = check_first(args, source, threads, max_length)  # --valid, the uptraining's overrides: before any sample is drawn
     digests = earlier_digests(args.out)  # a 7B model's files hashed again only where they changed
     record = DemoRecord(args.out, demo_key(args, source, [p for p in (args.data, args.valid, TRAIN, VALID) if p],
                                            CONFIG, digests), digests)
@@ -200,6 +205,9 @@ def _demo(argv: list[str] | None) -> int:
         uptrained = uptrain_step(args, source, converted, train_text, valid_path, threads, record)
         kd = f", distilled alpha_kd {args.alpha_kd}" if args.alpha_kd > 0 else ""
         models.append((f"GQA-{kv_heads}, uptrained{kd}", uptrained))
+        if args.context_tail:
+            tail = context_step(args, source, uptrained, train_text, valid_path, threads, record, max_length)
+            models.append((f"GQA-{kv_heads}, + {args.context_tail:,} tokens at {max_length}", tail))
     shown = _shown(args.data) + ", its last tenth" if args.data and not args.valid else _shown(valid_path)
     stories = args.data is None and not (args.teacher_samples and valid_path != VALID)  # the shipped stories
     report(models, valid, f"{shown} ({len(valid)} {'stories' if stories else 'documents'}", max_length, stride, cache)

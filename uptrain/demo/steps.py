@@ -1,6 +1,6 @@
 """The demo's steps, each kept for a rerun of the same demo (`record.py`) and each saying what a stop
-keeps: the checks made before any work (`check_first`), the source's samples, the conversion and
-the uptraining (resumed from the stopped run's checkpoint)."""
+keeps: the checks made before any work (`check_first`), the source's samples, the conversion, the
+uptraining and the context tail (each trainer run resumed from the stopped run's checkpoint)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ REFINE_STEPS = DEFAULT_REFINE_STEPS  # the converter's --refine-steps default
 # --calib-tokens: calibrated and refined on 65,536 tokens, not 16,384, the bundled model's start scores 1.840
 # against 1.867 on the shipped stories, 1.854 against 1.890 on its own samples (results/quality-curve.md)
 CALIB_TOKENS = 65536
+# --context-tail: the tail's peak lr, as a share of the uptraining's (results/quality-curve.md: 0.5M tokens at the
+# bundled model's 512-token window after 8M at 128-token blocks, 1.765 -> 1.755 at 0.1, 1.753 at 0.2, 1.751 at
+# 0.4, 1.751 at 0.8)
+TAIL_LR = 0.4
 
 
 def calib_tokens(asked: int | None, teacher_samples: int | None) -> int:
@@ -153,7 +157,22 @@ def training_blocks(args, source: Path, train_text: Path) -> list[str]:
     return frame
 
 
-def check_first(args, source: Path, threads: int) -> int:
+def context_overrides(args, main: list[str], window: int) -> list[str]:
+    """--context-tail N's overrides: the uptraining's (`main`, the user's included) and after them the tail's
+    own: blocks of the model's whole scoring `window`, as many tokens a micro step (at least one block), N
+    tokens, TAIL_LR of the uptraining's peak lr. UsageError where the window is no longer than the blocks."""
+    from uptrain.train.config import load_config
+
+    config = load_config(CONFIG, main)
+    if window <= config.data.seq_len:
+        raise UsageError(f"--context-tail: the model's window ({window} tokens) is no longer than the uptraining's "
+                         f"blocks ({config.data.seq_len}): every position is trained already; drop --context-tail")
+    micro = max(1, config.batch.micro_batch * config.data.seq_len // window)
+    return [*main, f"data.seq_len={window}", f"batch.micro_batch={micro}", f"budget.tokens={args.context_tail}",
+            f"optim.lr={config.optim.lr * TAIL_LR:.6g}"]
+
+
+def check_first(args, source: Path, threads: int, window: int = 0) -> int:
     """Every refusal that waits for no sample and no conversion, before the first sample is drawn (on a
     7B model sampling and converting take hours): `--valid` (missing, empty, not text) and the
     uptraining's config with the user's overrides (a mistyped key, a bad value), loaded with the shipped
@@ -163,7 +182,12 @@ def check_first(args, source: Path, threads: int) -> int:
     if args.valid is not None:
         read_documents(DataSource(files=[str(args.valid)]), None, field_option=None)
     stand_in = uptrain_overrides(args, source, source, TRAIN, args.valid or VALID, threads, args.out / "uptrain")
-    return load_config(CONFIG, stand_in).budget.total_tokens()
+    budget = load_config(CONFIG, stand_in).budget.total_tokens()
+    if args.context_tail:  # the tail's config too (its blocks, batch, lr), before any sample is drawn
+        if args.skip_uptrain:
+            raise UsageError("--context-tail continues the uptraining, which --skip-uptrain skips: drop one of them")
+        load_config(CONFIG, context_overrides(args, stand_in, window))
+    return budget
 
 
 def say_repeats(samples: int, budget: int) -> None:
@@ -185,9 +209,6 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
                  record: DemoRecord) -> Path:
     """Uptrain `converted` with configs/demo-cpu.yaml (distilling from `source`); the model folder. Kept
     from a stopped run of the same demo when it finished; resumed from its last checkpoint when it stopped."""
-    from uptrain.train import train
-    from uptrain.train.config import load_config
-
     run_dir = args.out / "uptrain"
     if record.done("uptrain") and (run_dir / "model" / "config.json").is_file():
         print(f"== uptrain: kept from the earlier run ({run_dir / 'model'})", flush=True)
@@ -205,13 +226,43 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     print(f"   {describe(args.alpha_kd)}{better}", flush=True)
     frame = training_blocks(args, source, train_text)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir, frame)
-    if resume:  # the stopped run's own state: resumed, not replaced
+    return _train("uptrain", overrides, bool(resume), record, run_dir)
+
+
+def context_step(args, source: Path, uptrained: Path, train_text: Path, valid_path: Path, threads: int,
+                 record: DemoRecord, window: int) -> Path:
+    """--context-tail N: N tokens more from the uptrained model, in blocks of the model's whole scoring
+    `window` (`context_overrides`); the model folder. The positions past the uptraining's blocks are never
+    trained there, and a long run in short blocks erodes them (results/quality-curve.md). Kept or resumed
+    as the uptraining is."""
+    run_dir = args.out / "context"
+    if record.done("context") and (run_dir / "model" / "config.json").is_file():
+        print(f"== context tail: kept from the earlier run ({run_dir / 'model'})", flush=True)
+        return run_dir / "model"
+    resume = checkpoints(run_dir)
+    at_once.written(None)  # the demo goes on: a stop in the tail is not "after the uptrained model was put in place"
+    _keeps(args, f"the context tail's last checkpoint in {run_dir / 'checkpoints'}; the same command continues "
+           "from it", record)
+    main = uptrain_overrides(args, source, uptrained, train_text, valid_path, threads, run_dir)
+    overrides = context_overrides(args, main, window)
+    print(f"== context tail: {args.context_tail:,} tokens more in {window}-token blocks (the model's window), peak "
+          f"lr {TAIL_LR:g} x the uptraining's, into {run_dir}"
+          + (f": continues from {resume[-1].name} of the stopped run" if resume else ""), flush=True)
+    return _train("context", overrides, bool(resume), record, run_dir)
+
+
+def _train(step: str, overrides: list[str], resume: bool, record: DemoRecord, run_dir: Path) -> Path:
+    """One trainer run of configs/demo-cpu.yaml with `overrides` (`resume`: from the stopped run's last
+    checkpoint, its own state, not replaced); `step` finished in the record; the model folder."""
+    from uptrain.train import train
+    from uptrain.train.config import load_config
+
+    if resume:
         overrides = [o for o in overrides if o != "overwrite=true"] + ["resume=latest"]
-    config = load_config(CONFIG, overrides)
     try:
-        train(config)
+        train(load_config(CONFIG, overrides))
     except BaseException as err:  # train() handles stop signals itself while it runs: its stop ends the demo
         at_once.end_after_training_stop(err)
         raise
-    record.finish("uptrain")
+    record.finish(step)
     return run_dir / "model"
