@@ -118,26 +118,31 @@ def test_a_demo_stopped_in_its_uptraining_continues_from_its_checkpoint_and_ends
     """Before: the rerun emptied --out, converted again and trained from step 0, and the stop line said
     "the folder being written was removed". Now the stop line says what is kept and what the rerun does,
     the rerun keeps the conversion and resumes the uptraining, and its weights are an uninterrupted demo's."""
-    from safetensors.torch import load_file
-
     out, whole = tmp_path / "demo", tmp_path / "whole"
     command = [sys.executable, "-m", "uptrain.demo", *DEMO_ARGS]
     code, err = _stopped([*command, "--out", str(out)], "SIGTERM", {"UPTRAIN_TEST_SIGNAL_AT": "2:0:SIGTERM"}, "")
     assert code == 143 and "Traceback" not in err, err[-3000:]
     line = err.strip().splitlines()[-1]
     assert LINE.match(line) and "keeps: convert" in line and "the same command continues from it" in line, line
+    again = _rerun_equals_uninterrupted(command, out, whole, "uptrain")
+    assert "kept from the earlier run" in again and "continues from checkpoint-00000002" in again
+    assert "resuming from" in again and "calibrat" not in again.split("== uptrain")[0].split("kept")[-1]
+
+
+def _rerun_equals_uninterrupted(command: list[str], out: Path, whole: Path, step: str) -> str:
+    """Rerun the stopped demo in `out` and run it whole in `whole`: both finish, print the same table, and
+    `step`'s model is bit for bit the same (resumed, not trained again from step 0). The rerun's stdout."""
+    from safetensors.torch import load_file
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    again = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "kept from the earlier run" in again.stdout and "continues from checkpoint-00000002" in again.stdout
-    assert "resuming from" in again.stdout and "calibrat" not in again.stdout.split("== uptrain")[0].split("kept")[-1]
-    done = subprocess.run([*command, "--out", str(whole)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [subprocess.run([*command, "--out", str(folder)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env=env) for folder in (out, whole)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
     table = lambda text: [row for row in text.splitlines() if row.startswith("| ")]  # noqa: E731
-    assert table(again.stdout) == table(done.stdout)
-    ours, theirs = (load_file(folder / "uptrain" / "model" / "model.safetensors") for folder in (out, whole))
-    assert all(ours[k].equal(theirs[k]) for k in theirs)  # resumed: bit for bit the uninterrupted run
+    assert table(runs[0].stdout) == table(runs[1].stdout)
+    ours, theirs = (load_file(folder / step / "model" / "model.safetensors") for folder in (out, whole))
+    assert all(ours[k].equal(theirs[k]) for k in theirs)
+    return runs[0].stdout
 
 
 def test_a_stop_while_the_source_writes_samples_names_the_kept_batches(tmp_path):
@@ -180,8 +185,6 @@ def test_a_demo_stopped_in_its_uptrainings_set_up_keeps_the_conversion_and_the_r
 def test_a_demo_stopped_in_its_context_tail_continues_from_its_checkpoint_and_ends_as_an_uninterrupted_one(tmp_path):
     """--context-tail's trainer run is a step of the demo like the uptraining: a stop in its steps says what
     is kept, the rerun keeps the conversion and the uptraining and resumes the tail, bit for bit."""
-    from safetensors.torch import load_file
-
     out, whole = tmp_path / "demo", tmp_path / "whole"
     args = [a for a in DEMO_ARGS if not a.startswith("budget.tokens=")]  # 2 uptraining steps, 6 of the tail
     command = [sys.executable, "-m", "uptrain.demo", *args, "budget.tokens=4096", "--context-tail", "12288"]
@@ -190,16 +193,7 @@ def test_a_demo_stopped_in_its_context_tail_continues_from_its_checkpoint_and_en
     assert code == 143 and "Traceback" not in err, err[-3000:]
     line = err.strip().splitlines()[-1]
     assert LINE.match(line) and "keeps: convert, uptrain" in line and "the context tail's last checkpoint" in line, line
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    again = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "== uptrain: kept from the earlier run" in again.stdout
-    assert "== context tail" in again.stdout and "continues from checkpoint-00000004" in again.stdout
-    assert "resuming from" in again.stdout.split("== context tail")[1]  # the trainer's own resume, not step 0
-    done = subprocess.run([*command, "--out", str(whole)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    table = lambda text: [row for row in text.splitlines() if row.startswith("| ")]  # noqa: E731
-    assert table(again.stdout) == table(done.stdout)
-    ours, theirs = (load_file(folder / "context" / "model" / "model.safetensors") for folder in (out, whole))
-    assert all(ours[k].equal(theirs[k]) for k in theirs)  # resumed: bit for bit the uninterrupted run
+    again = _rerun_equals_uninterrupted(command, out, whole, "context")
+    assert "== uptrain: kept from the earlier run" in again
+    assert "== context tail" in again and "continues from checkpoint-00000004" in again
+    assert "resuming from" in again.split("== context tail")[1]  # the trainer's own resume, not step 0
