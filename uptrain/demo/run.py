@@ -175,7 +175,8 @@ def _demo(argv: list[str] | None) -> int:
     if args.data is not None and args.teacher_samples:
         raise UsageError("give --data (your text) or --teacher-samples N (the source writes the text), not both")
     own_texts = split_documents_of(args.data) if args.data is not None else None
-    budget = check_first(args, source, threads, max_length)  # --valid, the uptraining's overrides: before any sample is drawn
+    # --valid, the uptraining's overrides (and the context tail's): before any sample is drawn
+    budget = check_first(args, source, threads, max_length)
     digests = earlier_digests(args.out)  # a 7B model's files hashed again only where they changed
     record = DemoRecord(args.out, demo_key(args, source, [p for p in (args.data, args.valid, TRAIN, VALID) if p],
                                            CONFIG, digests), digests)
