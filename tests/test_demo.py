@@ -303,9 +303,12 @@ def test_a_source_that_copies_across_its_window_is_uptrained_in_blocks_of_it(tmp
 
     copier = EXAMPLE_MHA8.parent / "copy-mha8"
     assert main(["--model", str(copier), "--out", str(tmp_path / "demo"), "--calib-tokens", "2048",
-                 "--refine-steps", "10", "--tasks", "none", "--stories", "2", "budget.tokens=4096",
-                 "log.progress_bar=false"]) == 0
+                 "--refine-steps", "10", "--tasks", "none", "--stories", "2", "--context-tail", "4096",
+                 "budget.tokens=4096", "log.progress_bar=false"]) == 0
     out = capsys.readouterr().out
+    # its uptraining's blocks are its window already: --context-tail adds no run and no row, and says so
+    assert "== context tail: none; the uptraining's blocks were the model's whole window already (512" in out
+    assert not (tmp_path / "demo" / "context").exists() and "tokens at 512" not in out
     assert re.search(r"training blocks: 512 tokens, 2 per micro-batch, 50% of them with a passage read again "
                      r"\(data.copy_repeats\): the source copies across its window .* 191 tokens later removes "
                      r"(8\d|9\d)% of its loss", out)

@@ -208,7 +208,8 @@ def _demo(argv: list[str] | None) -> int:
         models.append((f"GQA-{kv_heads}, uptrained{kd}", uptrained))
         if args.context_tail:
             tail = context_step(args, source, uptrained, train_text, valid_path, threads, record, max_length)
-            models.append((f"GQA-{kv_heads}, + {args.context_tail:,} tokens at {max_length}", tail))
+            if tail is not None:
+                models.append((f"GQA-{kv_heads}, + {args.context_tail:,} tokens at {max_length}", tail))
     shown = _shown(args.data) + ", its last tenth" if args.data and not args.valid else _shown(valid_path)
     stories = args.data is None and not (args.teacher_samples and valid_path != VALID)  # the shipped stories
     report(models, valid, f"{shown} ({len(valid)} {'stories' if stories else 'documents'}", max_length, stride, cache)

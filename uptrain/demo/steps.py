@@ -230,11 +230,19 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
 
 
 def context_step(args, source: Path, uptrained: Path, train_text: Path, valid_path: Path, threads: int,
-                 record: DemoRecord, window: int) -> Path:
+                 record: DemoRecord, window: int) -> Path | None:
     """--context-tail N: N tokens more from the uptrained model, in blocks of the model's whole scoring
     `window` (`context_overrides`); the model folder. The positions past the uptraining's blocks are never
     trained there, and a long run in short blocks erodes them (results/quality-curve.md). Kept or resumed
-    as the uptraining is."""
+    as the uptraining is. None, with a line, where the uptraining's own blocks were the window already
+    (`training_blocks` chose them for a source that copies across it: decided after the checks)."""
+    import yaml
+
+    trained = yaml.safe_load((args.out / "uptrain" / "run.yaml").read_text())["data"]["seq_len"]  # as it ran
+    if trained >= window:
+        print(f"== context tail: none; the uptraining's blocks were the model's whole window already ({trained} "
+              "tokens)", flush=True)
+        return None
     run_dir = args.out / "context"
     if record.done("context") and (run_dir / "model" / "config.json").is_file():
         print(f"== context tail: kept from the earlier run ({run_dir / 'model'})", flush=True)
