@@ -349,6 +349,9 @@ def test_the_context_tail_trains_the_uptrained_model_in_blocks_of_the_models_win
     assert tail["batch"]["micro_batch"] * 512 == main_run["batch"]["micro_batch"] * 128  # the same tokens a micro step
     assert tail["model"] == str(out / "uptrain" / "model") and tail["budget"]["tokens"] == 4096
     assert tail["optim"]["lr"] == pytest.approx(5e-4 * TAIL_LR) and tail["distill"] == main_run["distill"]
+    # the uptraining's cosine stops where the tail starts (TAIL_LR of the peak); the tail decays as the config's
+    assert (main_run["optim"]["min_lr_ratio"], tail["optim"]["min_lr_ratio"]) == (TAIL_LR, 0.1)
+    assert "with --context-tail: the cosine stops at 0.4 x the peak lr" in printed
     rows = re.findall(r"\| (GQA-2, uptrained[^|]*|GQA-2, \+ 4,096 tokens at 512[^|]*)\| ([0-9.]+)", printed)
     assert [r[0].strip() for r in rows] == ["GQA-2, uptrained, distilled alpha_kd 1.0", "GQA-2, + 4,096 tokens at 512"]
     from safetensors.torch import load_file
@@ -362,3 +365,25 @@ def test_the_context_tail_trains_the_uptrained_model_in_blocks_of_the_models_win
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
         assert not bad.exists()
+
+
+def test_the_context_tail_hands_off_the_learning_rate_unless_the_user_set_its_floor(tmp_path):
+    """With --context-tail the uptraining's cosine stops at TAIL_LR of its peak and the tail runs from there
+    to the config's floor; a user's optim.min_lr_ratio holds for both runs; a block frame at the window
+    (no tail follows) keeps the config's floor; without --context-tail nothing changes."""
+    from types import SimpleNamespace
+
+    from uptrain.demo.steps import CONFIG, TAIL_LR, context_overrides, uptrain_overrides
+    from uptrain.train.config import load_config
+
+    def floors(tail, overrides, frame=()):
+        args = SimpleNamespace(alpha_kd=None, overrides=overrides, context_tail=tail)
+        main_run = uptrain_overrides(args, EXAMPLE_MHA8, EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, 1, tmp_path / "u", frame)
+        first = load_config(CONFIG, main_run).optim
+        second = load_config(CONFIG, context_overrides(args, main_run, 512)).optim if tail and not frame else None
+        return first.min_lr_ratio, second and (second.lr / first.lr, second.min_lr_ratio)
+
+    assert floors(4096, []) == (TAIL_LR, (pytest.approx(TAIL_LR), 0.1))
+    assert floors(4096, ["optim.min_lr_ratio=0.25"]) == (0.25, (pytest.approx(TAIL_LR), 0.25))
+    assert floors(4096, [], frame=["data.seq_len=512", "batch.micro_batch=2"])[0] == 0.1
+    assert floors(None, []) == (0.1, None)

@@ -28,7 +28,9 @@ REFINE_STEPS = DEFAULT_REFINE_STEPS  # the converter's --refine-steps default
 CALIB_TOKENS = 65536
 # --context-tail: the tail's peak lr, as a share of the uptraining's (results/quality-curve.md: 0.5M tokens at the
 # bundled model's 512-token window after 8M at 128-token blocks, 1.765 -> 1.755 at 0.1, 1.753 at 0.2, 1.751 at
-# 0.4, 1.751 at 0.8)
+# 0.4, 1.751 at 0.8). The uptraining's cosine then stops there (optim.min_lr_ratio) and the tail goes on from it:
+# 1.754 against 1.756 for a cosine to 0.1 and a rise back to 0.4 (7.2M + 0.5M tokens, the same start and samples;
+# stopping at 0.3 and a tail from 0.3 tie: 1.7488 at 8M + 1M)
 TAIL_LR = 0.4
 
 
@@ -138,7 +140,15 @@ def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, val
 
     return [f"model={converted}", f"run_dir={run_dir}", "overwrite=true", f"data.train.files=[{train_text}]",
             f"data.val.files=[{valid_path}]", *recipe_overrides(str(source), args.alpha_kd), f"threads={threads}",
-            *frame, *args.overrides]
+            *frame, *_handoff(args, frame), *args.overrides]
+
+
+def _handoff(args, frame: list[str] = ()) -> list[str]:
+    """With --context-tail the uptraining's cosine stops at TAIL_LR of its peak, where the tail starts. Not
+    where the user set optim.min_lr_ratio (theirs holds for both runs), nor where `frame` trains at the
+    window already (no tail follows: `context_step`)."""
+    own = any(o.startswith("optim.min_lr_ratio=") for o in args.overrides)
+    return [f"optim.min_lr_ratio={TAIL_LR:g}"] if args.context_tail and not own and not frame else []
 
 
 def training_blocks(args, source: Path, train_text: Path) -> list[str]:
@@ -160,7 +170,8 @@ def training_blocks(args, source: Path, train_text: Path) -> list[str]:
 def context_overrides(args, main: list[str], window: int) -> list[str]:
     """--context-tail N's overrides: the uptraining's (`main`, the user's included) and after them the tail's
     own: blocks of the model's whole scoring `window`, as many tokens a micro step (at least one block), N
-    tokens, TAIL_LR of the uptraining's peak lr. UsageError where the window is no longer than the blocks."""
+    tokens, from TAIL_LR of the uptraining's peak lr (where its cosine stopped, `_handoff`) down to the
+    config's min_lr_ratio of that. UsageError where the window is no longer than the blocks."""
     from uptrain.train.config import load_config
 
     config = load_config(CONFIG, main)
@@ -168,8 +179,10 @@ def context_overrides(args, main: list[str], window: int) -> list[str]:
         raise UsageError(f"--context-tail: the model's window ({window} tokens) is no longer than the uptraining's "
                          f"blocks ({config.data.seq_len}): every position is trained already; drop --context-tail")
     micro = max(1, config.batch.micro_batch * config.data.seq_len // window)
+    handoff = _handoff(args)
+    ratio = load_config(CONFIG, [o for o in main if o not in handoff]).optim.min_lr_ratio
     return [*main, f"data.seq_len={window}", f"batch.micro_batch={micro}", f"budget.tokens={args.context_tail}",
-            f"optim.lr={config.optim.lr * TAIL_LR:.6g}"]
+            f"optim.lr={config.optim.lr * TAIL_LR:.6g}", f"optim.min_lr_ratio={ratio:g}"]
 
 
 def check_first(args, source: Path, threads: int, window: int = 0) -> int:
@@ -225,6 +238,9 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
               "scripts/lr_sweep.py") if own_lr else ""
     print(f"   {describe(args.alpha_kd)}{better}", flush=True)
     frame = training_blocks(args, source, train_text)
+    if _handoff(args, frame):
+        print(f"   with --context-tail: the cosine stops at {TAIL_LR:g} x the peak lr, where the tail goes on",
+              flush=True)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir, frame)
     return _train("uptrain", overrides, bool(resume), record, run_dir)
 
