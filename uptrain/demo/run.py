@@ -122,7 +122,8 @@ def _parser() -> ArgParser:
                         "the recipe's, uptrain/train/recipe.py)")
     p.add_argument("--context-tail", type=positive_int, default=None, metavar="N",
                    help="after the uptraining, N tokens more in blocks of the model's whole scoring window (512 for "
-                        "the bundled model; the uptraining's are 128), at 0.4 x its peak lr: the positions past "
+                        "the bundled model; the uptraining's are 128), from 0.4 x its peak lr, where the uptraining's "
+                        "cosine then stops (unless optim.min_lr_ratio is given): the positions past "
                         "its blocks, which a long run in short blocks erodes (results/quality-curve.md); its model "
                         "is the table's last row")
     p.add_argument("--skip-uptrain", action="store_true", help="only convert and evaluate")

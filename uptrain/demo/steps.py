@@ -174,15 +174,14 @@ def context_overrides(args, main: list[str], window: int) -> list[str]:
     config's min_lr_ratio of that. UsageError where the window is no longer than the blocks."""
     from uptrain.train.config import load_config
 
-    config = load_config(CONFIG, main)
+    handoff = _handoff(args)
+    config = load_config(CONFIG, [o for o in main if o not in handoff])  # floor: before the hand-off
     if window <= config.data.seq_len:
         raise UsageError(f"--context-tail: the model's window ({window} tokens) is no longer than the uptraining's "
                          f"blocks ({config.data.seq_len}): every position is trained already; drop --context-tail")
     micro = max(1, config.batch.micro_batch * config.data.seq_len // window)
-    handoff = _handoff(args)
-    ratio = load_config(CONFIG, [o for o in main if o not in handoff]).optim.min_lr_ratio
     return [*main, f"data.seq_len={window}", f"batch.micro_batch={micro}", f"budget.tokens={args.context_tail}",
-            f"optim.lr={config.optim.lr * TAIL_LR:.6g}", f"optim.min_lr_ratio={ratio:g}"]
+            f"optim.lr={config.optim.lr * TAIL_LR:.6g}", f"optim.min_lr_ratio={config.optim.min_lr_ratio:g}"]
 
 
 def check_first(args, source: Path, threads: int, window: int = 0) -> int:
