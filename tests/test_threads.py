@@ -4,6 +4,7 @@ and the busy-CPU check that flags a decode speed timed on an oversubscribed mach
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -164,3 +165,45 @@ def test_without_threads_a_command_says_what_it_chose_and_why(tmp_path, capsys, 
     assert ev.main(argv) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("CPU threads:"))
     assert "load average" in line and torch.get_num_threads() == int(line.split()[2])
+
+
+
+# The trainer's step on the bundled model: the source's logits, the student's forward and backward of the KL
+_FAULTS = """
+import resource, sys, torch
+from transformers import AutoModelForCausalLM
+from uptrain.threads import keep_freed_memory
+from uptrain.train.model.losses import kd_loss_sum
+print(keep_freed_memory() if sys.argv[1] == "keep" else "-")
+torch.set_num_threads(1)
+student, teacher = AutoModelForCausalLM.from_pretrained(sys.argv[2]), AutoModelForCausalLM.from_pretrained(sys.argv[2])
+ids = torch.randint(3, 512, (8, 128), generator=torch.Generator().manual_seed(0))
+def step():
+    with torch.no_grad():
+        target = teacher(input_ids=ids).logits
+    kd_loss_sum(student(input_ids=ids).logits, target, 1.0).backward()
+for _ in range(3):  # warm-up: the allocator reaches its steady state
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator settings: Linux only")
+def test_a_training_process_keeps_the_memory_its_steps_free():
+    """Freed activations stay with the process for the next step (`keep_freed_memory`, called by the trainer's
+    set-up): the page faults of 10 distillation steps fall at least tenfold (measured: ~24,000 to under 600).
+    A user's MALLOC_* setting wins (nothing applied)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def run(mode: str, **extra: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode, str(EXAMPLE_MHA8)], capture_output=True, text=True,
+                             check=True, env={**env, **extra}).stdout.split()
+        return out[0], int(out[-1])
+
+    applied, kept = run("keep")
+    _, plain = run("plain")
+    assert applied == "True" and plain > 10 * max(kept, 500), (kept, plain)
+    assert run("keep", MALLOC_TRIM_THRESHOLD_="131072")[0] == "False"

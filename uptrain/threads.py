@@ -89,6 +89,27 @@ def apply_threads(requested: int | None = None, processes: int = 1) -> ThreadCho
     return choice
 
 
+def keep_freed_memory() -> bool:
+    """On glibc, keep the memory a training step frees for the next step instead of returning it to the
+    system: measured on the demo's trainer (2 cores), the default gave every step's activations back
+    and faulted them in again (1.33 M page faults and 2.5 s of system time per 400K tokens; with
+    these settings 0.12 M and 0.5 s, 5-7% more tokens/s). Blocks over 32 MiB (glibc's largest
+    threshold) still come from and go back to the system. A user's MALLOC_* environment wins.
+    Returns whether the settings were applied (False elsewhere than glibc)."""
+    import ctypes
+
+    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without it)
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    mib = 1 << 20
+    return bool(mallopt(m_mmap_threshold, 32 * mib) and mallopt(m_trim_threshold, 1024 * mib)
+                and mallopt(m_top_pad, 64 * mib))
+
+
 def start_threads(requested: int | None) -> ThreadChoice:
     """`apply_threads` for a command-line tool, first thing, so that all its work runs with them;
     `announce_threads` prints the choice once the input is checked (a bad input stays one line)."""

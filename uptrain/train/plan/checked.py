@@ -35,7 +35,7 @@ from accelerate.utils import DistributedType
 from transformers import PreTrainedTokenizerBase
 
 from uptrain.errors import UsageError
-from uptrain.threads import applied as applied_threads, apply_threads as apply_cpu_threads
+from uptrain.threads import applied as applied_threads, apply_threads as apply_cpu_threads, keep_freed_memory
 from uptrain.train.config import OptimConfig, TrainConfig, to_dict
 from uptrain.train.plan.folders import (ModelFacts, ModelFolders, check_checkpoint_identity, check_models,
                                        check_run_dir, resolve_models, resume_checks, run_identity)
@@ -381,8 +381,9 @@ def apply_threads(threads: int | None) -> None:
     """Set torch's CPU threads per process: the `threads` config field, else OMP_NUM_THREADS, else
     the CPUs the load average leaves free shared among this machine's processes of the run
     (`uptrain.threads.choose_threads`; with more threads than free cores they wait on each other
-    at every operation)."""
+    at every operation); and keep the memory each step frees for the next (`keep_freed_memory`)."""
     apply_cpu_threads(threads, processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    keep_freed_memory()
 
 
 def cpu_threads_line(threads: int | None) -> str:
