@@ -96,11 +96,17 @@ class DistillConfig:
     # above (uptrain/train/model/attention_match.py: squared distance over the teacher's mean square,
     # per target token, averaged over layers); 0: off. Needs a teacher with the student's layers
     attention_match: float = 0.0
+    # the teacher's log-probabilities of each block kept in memory (float16) for the block's next reading, up to
+    # this many GB per process (uptrain/train/model/teacher_cache.py); None: a teacher on the CPU in a run that
+    # reads its blocks more than once keeps up to a quarter of the memory available at the start; 0: off
+    teacher_cache_gb: float | None = None
 
     def validate(self) -> None:
         """Raise UsageError on a weight out of range, or a matching without a teacher to match."""
         if not (0.0 <= self.alpha_kd <= 1.0 and self.temperature > 0):
             raise UsageError("distill.alpha_kd must be in [0, 1] and distill.temperature > 0")
+        if self.teacher_cache_gb is not None and self.teacher_cache_gb < 0:
+            raise UsageError("distill.teacher_cache_gb must be >= 0 (0: off; leave it unset for the automatic choice)")
         if self.attention_match < 0 or (self.attention_match and not self.teacher):
             raise UsageError("distill.attention_match must be >= 0 and needs distill.teacher (the outputs it matches)")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from uptrain.train.state.run_state import MetricsLog, begin_run_folder, load_che
 from uptrain.train.parallel import shard
 from uptrain.train.stop.preempt import Preempted, StopRequest
 from uptrain.train.setup import build_data, make_accelerator, make_optimizer
+from uptrain.train.model.teacher_cache import TeacherCache, cache_budget, memory_available
 from uptrain.train.model.teacher_samples import ensure_teacher_samples
 from uptrain.train.model.trainable import apply_trainable, param_numel, stages_line, trainable_line
 from uptrain.train.model.validate import validation_line
@@ -104,9 +106,26 @@ def setup_run(config: TrainConfig, stop: StopRequest | None = None) -> Run:
                  *([stages_line(ranges)] if ranges else []), grace_line(plan.grace_s, plan.grace_source),
                  *([plan.grace_warning] if plan.grace_warning else [])]:
         accelerator.print(line)
+    cache = _teacher_cache(plan, accelerator, data.n_available)
+    if cache is not None:
+        accelerator.print(f"teacher cache: the source's log-probabilities of each block kept for its next reading, "
+                          f"up to {cache.max_bytes / 1e9:.1f} GB per process in float16 (distill.teacher_cache_gb)")
     metrics = MetricsLog(plan.run_dir / "metrics.jsonl", accelerator.is_main_process)
     return Run(plan, accelerator, tokenizer, data.val, model, teacher, optimizer, loader, metrics,
-               plan.resumed.get("write_s"))
+               plan.resumed.get("write_s"), cache)
+
+
+def _teacher_cache(plan: Plan, accelerator: Accelerator, n_available: int | None) -> TeacherCache | None:
+    """The cache of the teacher's outputs per block (uptrain/train/model/teacher_cache.py), or None: no teacher,
+    attention matching (it needs the teacher's layers at every step), or a budget of 0 (`cache_budget`)."""
+    d = plan.config.distill
+    if plan.folders.teacher is None or d.attention_match > 0:
+        return None
+    reads_again = n_available is not None and plan.steps * plan.sequences_per_step > n_available
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    budget = cache_budget(d.teacher_cache_gb, accelerator.device.type == "cpu", reads_again, memory_available(),
+                          processes)
+    return TeacherCache(budget) if budget > 0 else None
 
 
 def calibration_overlap_lines(config, held_out) -> list[str]:
@@ -227,6 +246,10 @@ def finish_run(run: Run, last_record: dict) -> dict:
         mark_finished(run.run_dir, {"steps": plan.steps, "tokens": plan.steps * plan.tokens_per_step,
                                     "val_loss": final_eval["val_loss"]})
         accelerator.print(f"saved {run.run_dir / 'model'} and {run.run_dir / 'loss.png'}")
+    if run.teacher_cache is not None:
+        c = run.teacher_cache
+        accelerator.print(f"teacher cache: {c.hits / max(1, c.hits + c.misses):.0%} of the source's outputs came from "
+                          f"memory ({len(c.blocks):,} blocks, {c.bytes / 1e9:.2f} GB)")
     accelerator.end_training()
     return {**final_eval, "last_loss": last_record.get("loss"), "steps": plan.steps}
 

@@ -31,6 +31,7 @@ from uptrain.train.report.eta import EtaTracker, ProgressLines, format_eta, plai
 from uptrain.train.stop.health import StepHealth, check_finite
 from uptrain.train.model.attention_match import attention_match_sum, attention_outputs
 from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
+from uptrain.train.model.teacher_cache import TeacherCache
 from uptrain.stopping.codes import signal_name
 from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left
 from uptrain.train.state.run_state import complete_checkpoints, save_checkpoint
@@ -62,6 +63,7 @@ class Run:
     loader: DataLoader
     metrics: MetricsLog
     checkpoint_s: float | None = None  # how long the last checkpoint took to write (a resumed run: its checkpoint's)
+    teacher_cache: TeacherCache | None = None  # the teacher's log-probabilities of blocks read again (distill.teacher_cache_gb)
 
     # What the plan holds, by the names the steps read it by.
     config = property(lambda self: self.plan.config, doc="The config as checked (TrainConfig).")
@@ -357,7 +359,10 @@ def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor,
         return lm, lm, torch.zeros((), device=lm.device)
     d = run.config.distill
     with torch.no_grad(), run.accelerator.autocast(), attention_outputs(run.teacher, on=bool(attention)) as targets:
-        teacher_logits = run.teacher(input_ids=ids).logits
+        if run.teacher_cache is not None and not attention:  # a block read again: its targets from memory
+            teacher_logits = run.teacher_cache.log_probs(ids, lambda: run.teacher(input_ids=ids).logits)
+        else:
+            teacher_logits = run.teacher(input_ids=ids).logits
     kd = kd_loss_sum(logits, teacher_logits, d.temperature)
     loss = d.alpha_kd * kd + (1 - d.alpha_kd) * lm
     if attention:  # the loss (what is trained) carries the matching; lm and kd stay what they name
