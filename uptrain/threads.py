@@ -89,6 +89,18 @@ def apply_threads(requested: int | None = None, processes: int = 1) -> ThreadCho
     return choice
 
 
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (MemAvailable on Linux, else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def keep_freed_memory() -> bool:
     """On glibc, keep the memory a training step frees for the next step instead of returning it to the
     system: measured on the demo's trainer (2 cores), the default gave every step's activations back

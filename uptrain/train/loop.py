@@ -33,12 +33,13 @@ from uptrain.train.plan.checked import (  # noqa: F401 (grace_line: public here 
     Plan, apply_threads, check_data, check_run, grace_line,
 )
 from uptrain.train.plan.folders import ModelFolders
+from uptrain.threads import available_memory
 from uptrain.train.report.report import plot_losses, save_final_model
 from uptrain.train.state.run_state import MetricsLog, begin_run_folder, load_checkpoint, mark_finished
 from uptrain.train.parallel import shard
 from uptrain.train.stop.preempt import Preempted, StopRequest
 from uptrain.train.setup import build_data, make_accelerator, make_optimizer
-from uptrain.train.model.teacher_cache import TeacherCache, cache_budget, memory_available
+from uptrain.train.model.teacher_cache import TeacherCache, cache_budget
 from uptrain.train.model.teacher_samples import ensure_teacher_samples
 from uptrain.train.model.trainable import apply_trainable, param_numel, stages_line, trainable_line
 from uptrain.train.model.validate import validation_line
@@ -123,7 +124,7 @@ def _teacher_cache(plan: Plan, accelerator: Accelerator, n_available: int | None
         return None
     reads_again = n_available is not None and plan.steps * plan.sequences_per_step > n_available
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    budget = cache_budget(d.teacher_cache_gb, accelerator.device.type == "cpu", reads_again, memory_available(),
+    budget = cache_budget(d.teacher_cache_gb, accelerator.device.type == "cpu", reads_again, available_memory(),
                           processes)
     return TeacherCache(budget) if budget > 0 else None
 

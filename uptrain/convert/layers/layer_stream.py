@@ -18,7 +18,6 @@ moments kept.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -32,6 +31,7 @@ from uptrain.convert.io.source import SourceCheckpoint, TensorInfo
 from uptrain.convert.layers.layer import Layer, LayerGone
 from uptrain.convert.math.capture import Moments, summing_moments
 from uptrain.errors import UsageError
+from uptrain.threads import available_memory
 
 PROJECTIONS = ("q_proj", "qkv_proj")  # the attention's input projection: what it sees is the attention input
 
@@ -45,18 +45,6 @@ class _Caught(Exception):
 
 
 SCORED_TOKENS = 4096  # calibration tokens the source's own head scores (`LayerStream.source_loss`)
-
-
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation (MemAvailable on Linux, else physical memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @contextmanager

@@ -38,18 +38,6 @@ def cache_budget(setting: float | None, on_cpu: bool, reads_again: bool, availab
     return int(available_bytes * AUTO_MEMORY_SHARE / max(1, processes))
 
 
-def memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class TeacherCache:
     """The teacher's log-probabilities per block, up to `max_bytes` (then new blocks are not kept)."""
 

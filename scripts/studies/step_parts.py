@@ -1,0 +1,96 @@
+"""What a distillation step on the bundled model is made of, measured in one process (results/quality-curve.md,
+round two, seventh part): the source's forward against the student's forward and backward, per micro batch,
+and the attention alone (SDPA against a hand-written grouped attention, float32 and bfloat16).
+
+    OMP_NUM_THREADS=1 python scripts/studies/step_parts.py --student runs/demo-tail3/stories260K-gqa2
+
+One thread, CPU time (`time.process_time`) per call, the median of three rounds; timings from one process
+only, so that the machine's drift (a third within an hour on the 2-core machine) does not enter a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ms(fn, calls: int) -> float:
+    """Median over three rounds of CPU milliseconds per call of fn()."""
+    rounds = []
+    for _ in range(3):
+        t0 = time.process_time()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.process_time() - t0) / calls * 1e3)
+    return statistics.median(rounds)
+
+
+def model_parts(student_dir: Path, teacher_dir: Path, seq: int) -> dict:
+    """The source's forward and the student's forward + backward of one micro batch of 1,024 tokens."""
+    student = AutoModelForCausalLM.from_pretrained(student_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    ids = torch.randint(3, 512, (1024 // seq, seq), generator=torch.Generator().manual_seed(0))
+
+    def teach():
+        with torch.no_grad():
+            teacher(input_ids=ids)
+
+    def learn():
+        student(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+
+    teach(), learn()  # warm-up
+    return {"seq": seq, "teacher_forward_ms": _ms(teach, 10), "student_forward_backward_ms": _ms(learn, 10)}
+
+
+def _grouped(q, k, v, mask):
+    """Causal attention by hand with each K/V head's query group as one product: q [B, H, T, D],
+    k and v [B, KV, T, D] -> [B, H, T, D]."""
+    b, h, t, d = q.shape
+    kv = k.size(1)
+    scores = torch.matmul(q.reshape(b, kv, h // kv * t, d), k.transpose(-1, -2) * d**-0.5)
+    probs = torch.softmax(scores.view(b, kv, h // kv, t, t) + mask, -1).view(b, kv, h // kv * t, t)
+    return torch.matmul(probs, v).view(b, h, t, d)
+
+
+def attention_parts(batch: int, seq: int, dtype: torch.dtype, heads: int = 8, kv: int = 2, dim: int = 8) -> dict:
+    """Forward + backward of the attention alone at the student's shapes, SDPA and by hand."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq, dim, generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv, seq, dim, generator=g).to(dtype) for _ in range(2))
+    mask = torch.full((seq, seq), float("-inf"), dtype=dtype).triu(1)
+
+    def run(fn):
+        def once():
+            a, b, c = (x.clone().requires_grad_() for x in (q, k, v))
+            fn(a, b, c).sum().backward()
+        return once
+
+    sdpa = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True))
+    by_hand = run(lambda a, b, c: _grouped(a, b, c, mask))
+    return {"batch": batch, "seq": seq, "dtype": str(dtype).split(".")[-1],
+            "sdpa_ms": _ms(sdpa, 20), "by_hand_ms": _ms(by_hand, 20)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--student", type=Path, required=True, help="the converted start (e.g. a demo's stories260K-gqa2)")
+    p.add_argument("--teacher", type=Path, default=REPO / "examples" / "stories260K-mha8")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    for seq in (128, 512):
+        print(model_parts(args.student, args.teacher, seq), flush=True)
+    for batch, seq in ((8, 128), (2, 512)):
+        for dtype in (torch.float32, torch.bfloat16):
+            print(attention_parts(batch, seq, dtype), flush=True)
+
+
+if __name__ == "__main__":
+    main()
