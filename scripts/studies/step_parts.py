@@ -1,6 +1,7 @@
 """What a distillation step on the bundled model is made of, measured in one process (results/quality-curve.md,
-round two, seventh part): the source's forward against the student's forward and backward, per micro batch,
-and the attention alone (SDPA against a hand-written grouped attention, float32 and bfloat16).
+round two, seventh part): the source's forward against the student's forward and backward, per micro batch;
+the attention alone (SDPA against a hand-written grouped attention, float32 and bfloat16); and a whole micro
+batch (the source's forward, the student's forward and backward of the KL) with that attention in the models.
 
     OMP_NUM_THREADS=1 python scripts/studies/step_parts.py --student runs/demo-tail3/stories260K-gqa2
 
@@ -79,6 +80,51 @@ def attention_parts(batch: int, seq: int, dtype: torch.dtype, heads: int = 8, kv
             "sdpa_ms": _ms(sdpa, 20), "by_hand_ms": _ms(by_hand, 20)}
 
 
+def _in_model(dtype: torch.dtype):
+    """transformers' attention signature around `_grouped` in `dtype` (the models' "sdpa" replaced; a masked or
+    one-query call goes to SDPA): query [B, H, T, D], key and value [B, KV, T, D] -> ([B, T, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        t = query.size(2)
+        if attention_mask is not None or key.size(2) != t or dropout or t == 1:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
+        mask = torch.full((t, t), float("-inf"), dtype=dtype).triu(1)
+        scale = query.size(-1) ** -0.5 if scaling is None else scaling  # _grouped scales by d^-0.5 itself
+        q = (query * (scale * query.size(-1) ** 0.5)).to(dtype)
+        out = _grouped(q, key.to(dtype), value.to(dtype), mask).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def micro_batch_by_attention(student_dir: Path, teacher_dir: Path, seq: int) -> dict:
+    """CPU ms of one 1,024-token distillation micro batch with each attention in both models."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from uptrain.train.model.losses import kd_loss_sum
+
+    student = AutoModelForCausalLM.from_pretrained(student_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    ids = torch.randint(3, 512, (1024 // seq, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with torch.no_grad():
+            target = teacher(input_ids=ids).logits
+        kd_loss_sum(student(input_ids=ids).logits, target, 1.0).backward()
+
+    result = {"seq": seq}
+    for name, attention in (("sdpa", sdpa_attention_forward), ("by_hand_float32", _in_model(torch.float32)),
+                            ("by_hand_bfloat16", _in_model(torch.bfloat16))):
+        AttentionInterface._global_mapping["sdpa"] = attention
+        step()
+        result[f"{name}_ms"] = _ms(step, 8)
+    AttentionInterface._global_mapping["sdpa"] = sdpa_attention_forward
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--student", type=Path, required=True, help="the converted start (e.g. a demo's stories260K-gqa2)")
@@ -90,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     for batch, seq in ((8, 128), (2, 512)):
         for dtype in (torch.float32, torch.bfloat16):
             print(attention_parts(batch, seq, dtype), flush=True)
+    for seq in (128, 512):
+        print(micro_batch_by_attention(args.student, args.teacher, seq), flush=True)
 
 
 if __name__ == "__main__":
