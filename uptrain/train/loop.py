@@ -39,6 +39,7 @@ from uptrain.train.state.run_state import MetricsLog, begin_run_folder, load_che
 from uptrain.train.parallel import shard
 from uptrain.train.stop.preempt import Preempted, StopRequest
 from uptrain.train.setup import build_data, make_accelerator, make_optimizer
+from uptrain.train.model.cpu_attention import use_bf16_attention
 from uptrain.train.model.teacher_cache import TeacherCache, cache_budget
 from uptrain.train.model.teacher_samples import ensure_teacher_samples
 from uptrain.train.model.trainable import apply_trainable, param_numel, stages_line, trainable_line
@@ -190,6 +191,9 @@ def _load_models(config: TrainConfig, folders: ModelFolders,
         teacher_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
         teacher = AutoModelForCausalLM.from_pretrained(folders.teacher, dtype=teacher_dtype).to(accelerator.device)
         teacher.requires_grad_(False).eval()  # frozen: only a source of target distributions
+    if config.bf16_attention:  # both models' training attention (a CPU run: checked in the plan)
+        for m in (model, teacher) if teacher is not None else (model,):
+            use_bf16_attention(getattr(m, "_orig_mod", m))
     return model, teacher
 
 

@@ -95,6 +95,9 @@ def check_run(config: TrainConfig, accelerator: Accelerator) -> tuple[Plan, PreT
         check_fsdp2(config, accelerator)
     if config.compile:
         check_compile(accelerator.device.type)
+    if config.bf16_attention and accelerator.device.type != "cpu":
+        raise UsageError(f"bf16_attention=true is for CPU runs (this run is on {accelerator.device.type}); on a GPU "
+                         "set mixed_precision: bf16 instead, or bf16_attention=false")
     check_shared_run_dir(accelerator, run_dir)  # before any process reads it: all must see one folder
     resume_from = check_run_dir(run_dir, to_dict(config), config.resume, config.overwrite)
     config, state, lines = resume_checks(config, resume_from, world, accelerator.mixed_precision)
