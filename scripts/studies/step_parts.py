@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from uptrain.train.model.cpu_attention import attention_forward, grouped_causal_attention
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,11 +36,16 @@ def _ms(fn, calls: int) -> float:
     return statistics.median(rounds)
 
 
-def model_parts(student_dir: Path, teacher_dir: Path, seq: int) -> dict:
-    """The source's forward and the student's forward + backward of one micro batch of 1,024 tokens."""
+def _models_and_ids(student_dir: Path, teacher_dir: Path, seq: int):
+    """(student, teacher in eval mode, one micro batch of 1,024 tokens in blocks of `seq`)."""
     student = AutoModelForCausalLM.from_pretrained(student_dir)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    ids = torch.randint(3, 512, (1024 // seq, seq), generator=torch.Generator().manual_seed(0))
+    return student, teacher, torch.randint(3, 512, (1024 // seq, seq), generator=torch.Generator().manual_seed(0))
+
+
+def model_parts(student_dir: Path, teacher_dir: Path, seq: int) -> dict:
+    """The source's forward and the student's forward + backward of one micro batch of 1,024 tokens."""
+    student, teacher, ids = _models_and_ids(student_dir, teacher_dir, seq)
 
     def teach():
         with torch.no_grad():
@@ -51,22 +58,11 @@ def model_parts(student_dir: Path, teacher_dir: Path, seq: int) -> dict:
     return {"seq": seq, "teacher_forward_ms": _ms(teach, 10), "student_forward_backward_ms": _ms(learn, 10)}
 
 
-def _grouped(q, k, v, mask):
-    """Causal attention by hand with each K/V head's query group as one product: q [B, H, T, D],
-    k and v [B, KV, T, D] -> [B, H, T, D]."""
-    b, h, t, d = q.shape
-    kv = k.size(1)
-    scores = torch.matmul(q.reshape(b, kv, h // kv * t, d), k.transpose(-1, -2) * d**-0.5)
-    probs = torch.softmax(scores.view(b, kv, h // kv, t, t) + mask, -1).view(b, kv, h // kv * t, t)
-    return torch.matmul(probs, v).view(b, h, t, d)
-
-
 def attention_parts(batch: int, seq: int, dtype: torch.dtype, heads: int = 8, kv: int = 2, dim: int = 8) -> dict:
     """Forward + backward of the attention alone at the student's shapes, SDPA and by hand."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seq, dim, generator=g).to(dtype)
     k, v = (torch.randn(batch, kv, seq, dim, generator=g).to(dtype) for _ in range(2))
-    mask = torch.full((seq, seq), float("-inf"), dtype=dtype).triu(1)
 
     def run(fn):
         def once():
@@ -75,26 +71,20 @@ def attention_parts(batch: int, seq: int, dtype: torch.dtype, heads: int = 8, kv
         return once
 
     sdpa = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True))
-    by_hand = run(lambda a, b, c: _grouped(a, b, c, mask))
+    by_hand = run(lambda a, b, c: grouped_causal_attention(a, b, c, dim**-0.5, dtype))
     return {"batch": batch, "seq": seq, "dtype": str(dtype).split(".")[-1],
             "sdpa_ms": _ms(sdpa, 20), "by_hand_ms": _ms(by_hand, 20)}
 
 
 def _in_model(dtype: torch.dtype):
-    """transformers' attention signature around `_grouped` in `dtype` (the models' "sdpa" replaced; a masked or
-    one-query call goes to SDPA): query [B, H, T, D], key and value [B, KV, T, D] -> ([B, T, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """uptrain's `attention_forward` (bfloat16, what `bf16_attention=true` trains with) with its products in
+    `dtype` instead."""
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        t = query.size(2)
-        if attention_mask is not None or key.size(2) != t or dropout or t == 1:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          **kwargs)
-        mask = torch.full((t, t), float("-inf"), dtype=dtype).triu(1)
-        scale = query.size(-1) ** -0.5 if scaling is None else scaling  # _grouped scales by d^-0.5 itself
-        q = (query * (scale * query.size(-1) ** 0.5)).to(dtype)
-        out = _grouped(q, key.to(dtype), value.to(dtype), mask).to(query.dtype)
-        return out.transpose(1, 2).contiguous(), None
+        if attention_mask is not None or key.size(2) != query.size(2) or dropout or query.size(2) == 1:
+            return attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)  # SDPA's
+        scale = query.size(-1) ** -0.5 if scaling is None else scaling
+        return grouped_causal_attention(query, key, value, scale, dtype).transpose(1, 2).contiguous(), None
 
     return attention
 
@@ -106,9 +96,7 @@ def micro_batch_by_attention(student_dir: Path, teacher_dir: Path, seq: int) -> 
 
     from uptrain.train.model.losses import kd_loss_sum
 
-    student = AutoModelForCausalLM.from_pretrained(student_dir)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    ids = torch.randint(3, 512, (1024 // seq, seq), generator=torch.Generator().manual_seed(0))
+    student, teacher, ids = _models_and_ids(student_dir, teacher_dir, seq)
 
     def step():
         with torch.no_grad():
@@ -117,7 +105,7 @@ def micro_batch_by_attention(student_dir: Path, teacher_dir: Path, seq: int) -> 
 
     result = {"seq": seq}
     for name, attention in (("sdpa", sdpa_attention_forward), ("by_hand_float32", _in_model(torch.float32)),
-                            ("by_hand_bfloat16", _in_model(torch.bfloat16))):
+                            ("by_hand_bfloat16", attention_forward)):
         AttentionInterface._global_mapping["sdpa"] = attention
         step()
         result[f"{name}_ms"] = _ms(step, 8)
