@@ -125,17 +125,19 @@ def test_the_trainer_reads_blocks_again_from_the_cache_and_resumes_to_the_same_l
     for step in cached:  # the same run, to float16's rounding of the targets
         assert cached[step] == pytest.approx(off[step], abs=2e-4), step
 
-    # Stopped after step 16 (its later checkpoints and end removed): the rerun's cache starts empty, so the
-    # blocks of steps 1-16 read again after that are the teacher's once more, rounded the same way.
-    resumed_dir = tmp_path / "resumed"
-    shutil.copytree(cached_dir, resumed_dir)
-    for later in complete_checkpoints(resumed_dir)[1:]:
-        shutil.rmtree(later)
-    shutil.rmtree(resumed_dir / "model")
-    (resumed_dir / "finished.json").unlink()
-    train(load_config(DEMO, _runs_overrides(resumed_dir, **{"resume": "latest"})))
-    assert "resuming from" in capsys.readouterr().out
-    resumed = train_losses(resumed_dir)
-    assert sorted(resumed) == list(range(1, 81))
-    for step in range(17, 81):
-        assert resumed[step] == pytest.approx(cached[step], abs=1e-6), step
+    # Stopped after step 16 (in the first reading) or 48 (in the second), its later checkpoints and end removed:
+    # the rerun's cache starts empty, so the blocks read again after that are the teacher's once more, rounded the
+    # same way, whichever reading the stop fell in.
+    for kept, stop in ((1, 16), (3, 48)):
+        resumed_dir = tmp_path / f"resumed-{stop}"
+        shutil.copytree(cached_dir, resumed_dir)
+        for later in complete_checkpoints(resumed_dir)[kept:]:
+            shutil.rmtree(later)
+        shutil.rmtree(resumed_dir / "model")
+        (resumed_dir / "finished.json").unlink()
+        train(load_config(DEMO, _runs_overrides(resumed_dir, **{"resume": "latest"})))
+        assert f"at step {stop}" in capsys.readouterr().out
+        resumed = train_losses(resumed_dir)
+        assert sorted(resumed) == list(range(1, 81))
+        for step in range(stop + 1, 81):
+            assert resumed[step] == pytest.approx(cached[step], abs=1e-6), (stop, step)
