@@ -27,6 +27,8 @@ def _sdpa(q, k, v, scale):
 def _shapes():
     for heads, kv in ((8, 2), (8, 8), (32, 8), (40, 8), (64, 8), (64, 1), (40, 40)):  # real head counts
         yield 2, heads, kv, 37, 8
+    for t in (64, 65, 255, 256, 300, 513):  # query chunks: one whole, a partial last, the 128-step chunks
+        yield 1, 8, 2, t, 8
     rng = random.Random(0)
     for _ in range(20):
         kv = rng.choice([1, 2, 4, 8])

@@ -22,19 +22,50 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "uptrain_bf16"
 
 
+_BLOCK_MASKS: dict = {}
+
+
+def _diagonal_mask(chunk: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal mask of one query chunk against its own keys, [chunk * group, chunk]: row r is
+    time step r // group (rows ordered time-major, each step's `group` query heads together), -inf on its
+    future. Made once per shape and kept."""
+    key = (chunk, group, dtype, device)
+    if key not in _BLOCK_MASKS:
+        future = torch.full((chunk, chunk), float("-inf"), dtype=dtype, device=device).triu(1)
+        _BLOCK_MASKS[key] = future.repeat_interleave(group, dim=0)
+    return _BLOCK_MASKS[key]
+
+
+def query_chunk(t: int) -> int:
+    """Time steps per query chunk: 64 for short blocks, 128 from 256 on (fastest measured on the bundled model's
+    128- and 512-token blocks; results/quality-curve.md, round two, eighth part)."""
+    return 64 if t < 256 else 128
+
+
 def grouped_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Causal softmax(q k^T * scale) v with the products in `dtype`: query [B, H, T, D], key and value
     [B, KV, T, D] (H a multiple of KV; query head h reads K/V head h // (H / KV), as transformers'
-    repeat_kv) -> [B, H, T, D] in query's dtype."""
+    repeat_kv) -> [B, H, T, D] in query's dtype (a transposed view of a [B, T, H, D] tensor).
+
+    Each K/V head's queries are one matrix, rows time-major; the queries go in chunks of `query_chunk(T)` time
+    steps, each against the keys up to its own end: the future beyond a chunk is never computed (about half of
+    the T x T work), the mask touches only the chunk's diagonal block, and a chunk's scores stay in cache."""
     b, h, t, d = query.shape
     kv = key.size(1)
     group = h // kv
-    q = (query * scale).to(dtype).reshape(b, kv, group * t, d)  # each K/V head's queries as one matrix
-    scores = torch.matmul(q, key.to(dtype).transpose(-1, -2)).view(b, kv, group, t, t)
-    future = torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).view(b, kv, group * t, t)
-    return torch.matmul(probs, value.to(dtype)).view(b, h, t, d).to(query.dtype)
+    q = query.transpose(1, 2).reshape(b, t, kv, group, d).permute(0, 2, 1, 3, 4).to(dtype)
+    q = q.reshape(b, kv, t * group, d)  # row s * group + j: time s, query head kv_index * group + j
+    k, v = (key * scale).to(dtype), value.to(dtype)
+    step = query_chunk(t)
+    outs = []
+    for start in range(0, t, step):
+        end = min(start + step, t)
+        scores = torch.matmul(q[:, :, start * group:end * group], k[:, :, :end].transpose(-1, -2))
+        scores[..., start:end] += _diagonal_mask(end - start, group, dtype, query.device)
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), v[:, :, :end]))
+    out = torch.cat(outs, dim=2).view(b, kv, t, group, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    return out.to(query.dtype).transpose(1, 2)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
