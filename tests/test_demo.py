@@ -338,6 +338,7 @@ def test_the_context_tail_trains_the_uptrained_model_in_blocks_of_the_models_win
     import yaml
 
     from uptrain.demo.steps import TAIL_LR
+    from uptrain.train.model.cpu_attention import suits_this_machine
 
     out = tmp_path / "demo"
     assert main(["--out", str(out), "--stories", "2", "--calib-tokens", "1024", "--refine-steps", "5", "--tasks", "none",
@@ -346,6 +347,9 @@ def test_the_context_tail_trains_the_uptrained_model_in_blocks_of_the_models_win
     assert "== context tail: 4,096 tokens more in 512-token blocks (the model's window)" in printed
     main_run, tail = (yaml.safe_load((out / d / "run.yaml").read_text()) for d in ("uptrain", "context"))
     assert (main_run["data"]["seq_len"], tail["data"]["seq_len"]) == (128, 512)
+    # both runs' attention by hand in bfloat16 where this machine suits it (a CPU run, bfloat16 products)
+    assert main_run["bf16_attention"] is tail["bf16_attention"] is suits_this_machine()
+    assert ("bf16_attention=true: this CPU multiplies bfloat16" in printed) is suits_this_machine()
     assert tail["batch"]["micro_batch"] * 512 == main_run["batch"]["micro_batch"] * 128  # the same tokens a micro step
     assert tail["model"] == str(out / "uptrain" / "model") and tail["budget"]["tokens"] == 4096
     assert tail["optim"]["lr"] == pytest.approx(5e-4 * TAIL_LR) and tail["distill"] == main_run["distill"]
@@ -387,3 +391,22 @@ def test_the_context_tail_hands_off_the_learning_rate_unless_the_user_set_its_fl
     assert floors(4096, ["optim.min_lr_ratio=0.25"]) == (0.25, (pytest.approx(TAIL_LR), 0.25))
     assert floors(4096, [], frame=["data.seq_len=512", "batch.micro_batch=2"])[0] == 0.1
     assert floors(None, []) == (0.1, None)
+
+
+def test_the_demo_trains_with_the_attention_this_machine_suits_unless_told(monkeypatch, tmp_path):
+    """The demo adds bf16_attention=true where `suits_this_machine` (a CPU run on a CPU that multiplies
+    bfloat16) and nothing elsewhere; a user's bf16_attention, either way, is the one the run gets."""
+    from types import SimpleNamespace
+
+    import uptrain.train.model.cpu_attention as cpu_attention
+    from uptrain.demo.steps import CONFIG, uptrain_overrides
+    from uptrain.train.config import load_config
+
+    def attention(suits: bool, overrides: list[str]) -> bool:
+        monkeypatch.setattr(cpu_attention, "suits_this_machine", lambda: suits)
+        args = SimpleNamespace(alpha_kd=None, overrides=overrides, context_tail=None)
+        made = uptrain_overrides(args, EXAMPLE_MHA8, EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, 1, tmp_path / "u")
+        return load_config(CONFIG, made).bf16_attention
+
+    assert attention(True, []) is True and attention(False, []) is False
+    assert attention(True, ["bf16_attention=false"]) is False and attention(False, ["bf16_attention=true"]) is True

@@ -110,3 +110,20 @@ def test_the_trainer_with_bf16_attention(tmp_path, capsys):
         assert bf16[step] == pytest.approx(plain[step], abs=5e-3), step
     config = json.loads((tmp_path / "bf16" / "model" / "config.json").read_text())
     assert config.get("_attn_implementation") != NAME and NAME not in json.dumps(config)
+
+
+@pytest.mark.parametrize("flags, multiplies", [
+    ("fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni", True),  # AMD Zen 4, Intel Cooper Lake
+    ("fpu avx512f amx_bf16 amx_tile amx_int8", True),  # Intel Sapphire Rapids
+    ("fpu sse2 avx2 avx512f avx512bw avx512_vnni", False),  # AVX-512 without bfloat16 products
+    ("fpu sse2 avx2 fma", False),
+    ("fpu avx512_bf16x", False),  # a flag is a whole word
+])
+def test_the_cpu_check_reads_the_bfloat16_flags(flags, multiplies):
+    """bf16_attention's automatic choice (the demo's) reads /proc/cpuinfo's flags of every processor listed."""
+    from uptrain.train.model.cpu_attention import cpu_multiplies_bf16
+
+    cpuinfo = "".join(f"processor\t: {n}\nmodel name\t: some CPU\nflags\t\t: {flags}\n\n" for n in range(2))
+    assert cpu_multiplies_bf16(cpuinfo) is multiplies
+    assert cpu_multiplies_bf16("processor\t: 0\nFeatures\t: fp asimd bf16\n") is False  # ARM: unmeasured, off
+    assert cpu_multiplies_bf16("") is False

@@ -140,7 +140,18 @@ def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, val
 
     return [f"model={converted}", f"run_dir={run_dir}", "overwrite=true", f"data.train.files=[{train_text}]",
             f"data.val.files=[{valid_path}]", *recipe_overrides(str(source), args.alpha_kd), f"threads={threads}",
-            *frame, *_handoff(args, frame), *args.overrides]
+            *frame, *_handoff(args, frame), *cpu_attention(args), *args.overrides]
+
+
+def cpu_attention(args) -> list[str]:
+    """`bf16_attention=true` where it suits this machine (a CPU run on a CPU that multiplies bfloat16:
+    `cpu_attention.suits_this_machine`; 1.3-1.6x the tokens/s of SDPA there, results/quality-curve.md, round
+    two, eighth part), unless the user set bf16_attention."""
+    from uptrain.train.model.cpu_attention import suits_this_machine
+
+    if any(o.partition("=")[0] == "bf16_attention" for o in args.overrides):
+        return []
+    return ["bf16_attention=true"] if suits_this_machine() else []
 
 
 def _handoff(args, frame: list[str] = ()) -> list[str]:
@@ -240,6 +251,9 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     if _handoff(args, frame):
         print(f"   with --context-tail: the cosine stops at {TAIL_LR:g} x the peak lr, where the tail goes on",
               flush=True)
+    if cpu_attention(args):
+        print("   bf16_attention=true: this CPU multiplies bfloat16, so the training attention runs by hand in "
+              "bfloat16 (bf16_attention=false: SDPA in float32)", flush=True)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir, frame)
     return _train("uptrain", overrides, bool(resume), record, run_dir)
 

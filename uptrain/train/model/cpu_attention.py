@@ -14,12 +14,15 @@ The model's saved config does not name it: a model trained with it loads as any 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "uptrain_bf16"
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that multiply bfloat16 in hardware
 
 
 _BLOCK_MASKS: dict = {}
@@ -88,3 +91,23 @@ def use_bf16_attention(model: torch.nn.Module) -> None:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
+
+
+def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware: one of `BF16_CPU_FLAGS` among the `flags` of `cpuinfo`
+    (the text of /proc/cpuinfo; None: read it, False where there is none, as on macOS or Windows)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()}
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def suits_this_machine() -> bool:
+    """`bf16_attention`'s automatic choice (the demo's): a run on the CPU (torch sees no accelerator) of a CPU
+    that multiplies bfloat16 in hardware. Elsewhere unmeasured (without those instructions bfloat16 is emulated)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; before it, CUDA is the one we train on
+    on_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    return not on_accelerator and cpu_multiplies_bf16()
