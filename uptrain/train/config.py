@@ -169,8 +169,8 @@ class TrainConfig:
     # checkpoint_wrapper on each decoder layer, before fully_shard)
     compile: bool = False  # torch.compile the model (shard=fsdp2: each decoder layer, before fully_shard)
     # the training attention (causal packed blocks) of the model and the teacher by hand in bfloat16, for small heads
-    # on a CPU (uptrain/train/model/cpu_attention.py: 20-36% less CPU on the bundled model for a few 1e-4 nats);
-    # CPU runs only (on a GPU: mixed_precision: bf16)
+    # on a CPU (uptrain/train/model/cpu_attention.py: 1.2-2x the tokens/s on the bundled model for a few 1e-4 nats;
+    # the demo's default where the CPU multiplies bfloat16); CPU runs only (on a GPU: mixed_precision: bf16)
     bf16_attention: bool = False
     trainable: str = "all"  # all, attention (every attention-module parameter) or kv (q/k/v/o projections);
     # the rest is frozen (see uptrain/train/model/trainable.py)

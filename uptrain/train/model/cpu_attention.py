@@ -3,9 +3,11 @@
 At head_dim 8 torch's CPU flash-attention kernel runs its tiny products far below the machine's rate:
 attention is 37% of a 128-token distillation step on the bundled model and most of a 512-token one.
 The same causal attention written as two grouped products (each K/V head's query group in one
-matrix) in bfloat16, softmax between, is 2.6-2.8x faster on a CPU with AVX-512 BF16, and in the
-trainer 20-24% more tokens/s at 128 tokens, 36% less CPU at 512 (results/quality-curve.md, round two,
-seventh part), for errors of bfloat16's size (a few 1e-4 nats of held-out loss there).
+matrix) in bfloat16, softmax between, the queries in chunks that never compute the future, is 2.2x
+(128 tokens) and 3x (512) faster than float32 SDPA on a CPU with AVX-512 BF16, and in the trainer
+22-27% more tokens/s at 128 tokens, 2x at 512 (results/quality-curve.md, round two, eighth part), for
+errors of bfloat16's size (a few 1e-4 nats of held-out loss there). The demo turns it on where
+`suits_this_machine`.
 
 Only the training shape goes this way: causal, no mask (packed blocks, no padding), queries as long
 as keys, no dropout. Anything else (a padding mask, one-query decoding, dropout) is SDPA's, as before.
