@@ -75,7 +75,8 @@ def test_a_log_file_gets_plain_lines_at_the_interval_and_no_carriage_returns(tmp
     gaps = [lines[i + 1][0] - lines[i][0] for i in range(first, last)]
     assert max(gaps) < every + 1.0, [(round(g, 2), lines[i][1]) for i, g in zip(range(first, last), gaps)]
     waiting = [line for _, line in lines if line.startswith("train: still working")]
-    assert len(waiting) >= 2 and "since step 20/40" in waiting[0], lines  # the validation after step 20
+    # the validation after step 20 (a step slower than the interval on a loaded machine says so too: allowed)
+    assert sum("since step 20/40" in line for line in waiting) >= 2, lines
     steps_shown = sum(1 for i in progress if lines[i][1].startswith("train: step "))
     assert steps_shown <= (lines[last][0] - lines[first][0]) / every + 3, lines  # at the interval, not each step
     assert any(line.startswith("step 20: val loss ") for _, line in lines)

@@ -145,7 +145,7 @@ def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, val
 
 def cpu_attention(args) -> list[str]:
     """`bf16_attention=true` where it suits this machine (a CPU run on a CPU that multiplies bfloat16:
-    `cpu_attention.suits_this_machine`; 1.3-1.6x the tokens/s of SDPA there, results/quality-curve.md, round
+    `cpu_attention.suits_this_machine`; 1.2-2x the tokens/s of float32 SDPA there, results/quality-curve.md, round
     two, eighth part), unless the user set bf16_attention."""
     from uptrain.train.model.cpu_attention import suits_this_machine
 
