@@ -108,8 +108,7 @@ def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def suits_this_machine() -> bool:
-    """`bf16_attention`'s automatic choice (the demo's): a run on the CPU (torch sees no accelerator) of a CPU
-    that multiplies bfloat16 in hardware. Elsewhere unmeasured (without those instructions bfloat16 is emulated)."""
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; before it, CUDA is the one we train on
-    on_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-    return not on_accelerator and cpu_multiplies_bf16()
+    """`bf16_attention`'s automatic choice (the demo's): a run on the CPU (no CUDA: the trainer's own rule,
+    `setup.make_accelerator`) of a CPU that multiplies bfloat16 in hardware. Elsewhere unmeasured (without those
+    instructions bfloat16 is emulated)."""
+    return not torch.cuda.is_available() and cpu_multiplies_bf16()
