@@ -21,7 +21,7 @@ from uptrain.demo import AS_IT_WAS, __doc__ as DEMO_DOC
 from uptrain.demo.record import DemoRecord, demo_key, earlier_digests
 from uptrain.demo.steps import (  # noqa: F401 (the demo's paths and defaults: public here too)
     CALIB_TOKENS, CONFIG, EXAMPLES, REFINE_STEPS, REPO, TRAIN, VALID, _shown, calib_tokens,
-    check_first, context_step, convert_step, cpu_attention, samples_step, say_repeats, uptrain_step)
+    check_first, context_step, convert_step, cpu_attention, one_micro_batch, samples_step, say_repeats, uptrain_step)
 from uptrain.measure.eval import evaluate, load_model, model_windows, tokenize_texts
 from uptrain.threads import add_threads_arg, announce_threads, start_threads
 from uptrain.measure.kv_cache import FORMATS, KVFormat, check_paths, kv_format
@@ -179,6 +179,7 @@ def _demo(argv: list[str] | None) -> int:
     # --valid, the uptraining's overrides (and the context tail's): before any sample is drawn
     budget = check_first(args, source, threads, max_length)
     args.bf16_attention = bool(cpu_attention(args))  # keyed with the options: the machine's choice made the steps
+    args.one_micro_batch = bool(one_micro_batch(args))  # (so too this one)
     digests = earlier_digests(args.out)  # a 7B model's files hashed again only where they changed
     record = DemoRecord(args.out, demo_key(args, source, [p for p in (args.data, args.valid, TRAIN, VALID) if p],
                                            CONFIG, digests), digests)

@@ -140,7 +140,7 @@ def uptrain_overrides(args, source: Path, converted: Path, train_text: Path, val
 
     return [f"model={converted}", f"run_dir={run_dir}", "overwrite=true", f"data.train.files=[{train_text}]",
             f"data.val.files=[{valid_path}]", *recipe_overrides(str(source), args.alpha_kd), f"threads={threads}",
-            *frame, *_handoff(args, frame), *cpu_attention(args), *args.overrides]
+            *one_micro_batch(args), *frame, *_handoff(args, frame), *cpu_attention(args), *args.overrides]
 
 
 def cpu_attention(args) -> list[str]:
@@ -152,6 +152,23 @@ def cpu_attention(args) -> list[str]:
     if any(o.partition("=")[0] == "bf16_attention" for o in args.overrides):
         return []
     return ["bf16_attention=true"] if suits_this_machine() else []
+
+
+def one_micro_batch(args) -> list[str]:
+    """A CPU run's step in one micro batch: `batch.micro_batch=M x A batch.grad_accum=1` for the config's M x A
+    (the same blocks a step and the same summed gradient: gradient accumulation only saves memory, and each
+    micro batch costs a fixed ~8 ms of operator dispatch on stories260K, 7% of a CPU step: results/quality-curve.md,
+    round two, ninth part). None with CUDA (where the activations' memory is what accumulation saves) or where
+    the user set batch.micro_batch or batch.grad_accum."""
+    import torch
+
+    from uptrain.train.config import load_config
+
+    if torch.cuda.is_available() or any(o.partition("=")[0] in ("batch.micro_batch", "batch.grad_accum")
+                                        for o in args.overrides):
+        return []
+    batch = load_config(CONFIG, []).batch
+    return [f"batch.micro_batch={batch.micro_batch * batch.grad_accum}", "batch.grad_accum=1"]
 
 
 def _handoff(args, frame: list[str] = ()) -> list[str]:
@@ -171,7 +188,7 @@ def training_blocks(args, source: Path, train_text: Path) -> list[str]:
 
     if any(o.split("=", 1)[0] in ("data.seq_len", "batch.micro_batch") for o in args.overrides):
         return []
-    config = load_config(CONFIG, [])
+    config = load_config(CONFIG, one_micro_batch(args))
     frame, line = block_frame(source, train_text, model_windows([str(source)])[0], config.data.seq_len,
                               config.batch.micro_batch)
     print(f"   {line}", flush=True)
@@ -254,6 +271,9 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     if cpu_attention(args):
         print("   bf16_attention=true: this CPU multiplies bfloat16, so the training attention runs by hand in "
               "bfloat16 (bf16_attention=false: SDPA in float32)", flush=True)
+    if one_micro_batch(args):
+        print(f"   {one_micro_batch(args)[0]} batch.grad_accum=1: on the CPU a step's blocks go in one micro batch "
+              "(the same step; accumulation only saves memory)", flush=True)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir, frame)
     return _train("uptrain", overrides, bool(resume), record, run_dir)
 
