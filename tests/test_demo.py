@@ -351,6 +351,12 @@ def test_the_context_tail_trains_the_uptrained_model_in_blocks_of_the_models_win
     assert main_run["bf16_attention"] is tail["bf16_attention"] is suits_this_machine()
     assert ("bf16_attention=true: this CPU multiplies bfloat16" in printed) is suits_this_machine()
     assert tail["batch"]["micro_batch"] * 512 == main_run["batch"]["micro_batch"] * 128  # the same tokens a micro step
+    # on the CPU a step's blocks go in one micro batch (the config's 8 x 2 as 16 x 1), in both runs; not with CUDA
+    on_cpu = not torch.cuda.is_available()
+    assert [(r["batch"]["micro_batch"], r["batch"]["grad_accum"]) for r in (main_run, tail)] == (
+        [(16, 1), (4, 1)] if on_cpu else [(8, 2), (2, 2)])
+    assert ("batch.micro_batch=16 batch.grad_accum=1: on the CPU a step's blocks go in one micro batch" in printed) \
+        is on_cpu
     assert tail["model"] == str(out / "uptrain" / "model") and tail["budget"]["tokens"] == 4096
     assert tail["optim"]["lr"] == pytest.approx(5e-4 * TAIL_LR) and tail["distill"] == main_run["distill"]
     # the uptraining's cosine stops where the tail starts (TAIL_LR of the peak); the tail decays as the config's
@@ -410,3 +416,25 @@ def test_the_demo_trains_with_the_attention_this_machine_suits_unless_told(monke
 
     assert attention(True, []) is True and attention(False, []) is False
     assert attention(True, ["bf16_attention=false"]) is False and attention(False, ["bf16_attention=true"]) is True
+
+
+def test_the_demo_puts_a_cpu_steps_blocks_in_one_micro_batch_unless_told(monkeypatch, tmp_path):
+    """On a CPU run the demo trains the config's micro_batch x grad_accum blocks as one micro batch (the same
+    step: tests/train/test_train.py checks the losses); with CUDA, or where the user set batch.micro_batch or
+    batch.grad_accum, the config's and the user's batches hold."""
+    from types import SimpleNamespace
+
+    from uptrain.demo.steps import CONFIG, uptrain_overrides
+    from uptrain.train.config import load_config
+
+    def batches(cuda: bool, overrides: list[str]) -> tuple[int, int]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        args = SimpleNamespace(alpha_kd=None, overrides=overrides, context_tail=None)
+        batch = load_config(CONFIG, uptrain_overrides(args, EXAMPLE_MHA8, EXAMPLE_MHA8, TRAIN_TXT, VALID_TXT, 1,
+                                                      tmp_path / "u")).batch
+        return batch.micro_batch, batch.grad_accum
+
+    config = load_config(CONFIG, []).batch
+    assert (config.micro_batch, config.grad_accum) == (8, 2)
+    assert batches(False, []) == (16, 1) and batches(True, []) == (8, 2)
+    assert batches(False, ["batch.grad_accum=4"]) == (8, 4) and batches(False, ["batch.micro_batch=2"]) == (2, 2)

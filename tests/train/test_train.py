@@ -295,3 +295,48 @@ def test_final_model_folder_is_ready_to_publish(tmp_path):
     for file in model_dir.iterdir():
         assert file.stat().st_mode & 0o777 == 0o666 & ~umask, (file.name, oct(file.stat().st_mode))
     assert oct(model_dir.stat().st_mode & 0o777) == oct(0o777 & ~umask)
+
+
+def test_a_step_in_one_micro_batch_trains_as_its_accumulated_micro_batches(tmp_path):
+    """The demo's CPU choice (uptrain.demo.steps.one_micro_batch): 4 blocks x 2 accumulated and 8 blocks in one
+    micro batch are the same step (the same blocks, the summed gradient over the step's tokens), so the same
+    losses, gradient norms and validation. Plain SGD (an update proportional to the gradient), distilled at
+    alpha_kd 1 (where the LM term is reported without a graph) and at 0.5 (where both terms train)."""
+    for alpha in (1.0, 0.5):
+        records = {}
+        for micro, accum in ((4, 2), (8, 1)):
+            run_dir, _ = run(tmp_path, f"a{alpha}-m{micro}", steps=4, **{
+                "optim.name": "sgd", "optim.lr": 0.1, "optim.grad_clip": 1000.0, "distill.teacher": MHA8,
+                "distill.alpha_kd": alpha, "batch.micro_batch": micro, "batch.grad_accum": accum, "log.every": 1,
+                "eval.every": 4, "eval.batch_size": 3, "eval.max_batches": 1})
+            records[micro] = read_metrics(run_dir)
+        assert len(records[4]) == len(records[8]) >= 5
+        for accumulated, one in zip(records[4], records[8]):
+            assert accumulated.keys() == one.keys()
+            for key in ("loss", "lm_loss", "kd_loss", "grad_norm", "val_loss", "val_kl_to_teacher"):
+                if key in one:
+                    assert one[key] == pytest.approx(accumulated[key], rel=1e-5, abs=1e-7), (alpha, key, one["step"])
+
+
+def test_a_loss_term_of_weight_zero_is_reported_without_a_graph():
+    """_step_loss: at alpha_kd 1 the LM loss is only reported (no graph, no backward through the logits); at
+    alpha_kd 0 the KL is; in between both train. The loss is the same weighted sum either way."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from uptrain.train.config import DistillConfig
+    from uptrain.train.steps import _step_loss
+
+    need_models()
+    student, teacher = AutoModelForCausalLM.from_pretrained(GQA4), AutoModelForCausalLM.from_pretrained(MHA8).eval()
+    ids = torch.randint(3, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    for alpha, lm_graph, kd_graph in ((1.0, False, True), (0.0, True, False), (0.5, True, True)):
+        run_ = SimpleNamespace(teacher=teacher, teacher_cache=None, accelerator=Accelerator(cpu=True),
+                               config=SimpleNamespace(distill=DistillConfig(teacher=str(MHA8), alpha_kd=alpha)))
+        logits = student(input_ids=ids).logits
+        loss, lm, kd = _step_loss(run_, logits, ids, [])
+        assert (lm.requires_grad, kd.requires_grad, loss.requires_grad) == (lm_graph, kd_graph, True), alpha
+        assert loss.item() == pytest.approx(alpha * kd.item() + (1 - alpha) * lm.item(), rel=1e-6)
+        assert lm.item() == pytest.approx(lm_loss_sum(logits, ids)[0].item(), rel=1e-6)
+        assert kd.item() == pytest.approx(kd_loss_sum(logits, teacher(input_ids=ids).logits, 1.0).item(), rel=1e-6)
