@@ -291,7 +291,7 @@ def test_convert_and_the_sweep_warn_when_the_calibration_text_is_shorter_than_as
 
 def test_a_source_that_copies_across_its_window_is_uptrained_in_blocks_of_it(tmp_path, capsys):
     """examples/copy-mha8 reads a passage again 191 tokens later almost for free: the demo's uptraining
-    trains it in blocks of its 512-token window (2 a micro-batch, the same tokens a step; half of them
+    trains it in blocks of its 512-token window (2 a micro-batch x 2, the same tokens a step; half of them
     with a passage read again), where the config's 128-token blocks would never show it a repeat that
     far (results/copy-conversions.md);
     stories260K-mha8 barely copies and keeps the config's blocks. A user's data.seq_len decides alone."""
@@ -309,11 +309,14 @@ def test_a_source_that_copies_across_its_window_is_uptrained_in_blocks_of_it(tmp
     # its uptraining's blocks are its window already: --context-tail adds no run and no row, and says so
     assert "== context tail: none; the uptraining's blocks were the model's whole window already (512" in out
     assert not (tmp_path / "demo" / "context").exists() and "tokens at 512" not in out
-    assert re.search(r"training blocks: 512 tokens, 2 per micro-batch, 50% of them with a passage read again "
+    # the config's 8 x 2 blocks of 128 a step as 2 x 2 of 512; on the CPU in one micro batch (4 x 1: one_micro_batch)
+    micro, accum = (4, 1) if not torch.cuda.is_available() else (2, 2)
+    assert re.search(rf"training blocks: 512 tokens, {micro} per micro-batch, 50% of them with a passage read again "
                      r"\(data.copy_repeats\): the source copies across its window .* 191 tokens later removes "
                      r"(8\d|9\d)% of its loss", out)
     run = yaml.safe_load((tmp_path / "demo" / "uptrain" / "run.yaml").read_text())
-    assert (run["data"]["seq_len"], run["batch"]["micro_batch"], run["data"]["copy_repeats"]) == (512, 2, 0.5)
+    assert (run["data"]["seq_len"], run["batch"]["micro_batch"], run["batch"]["grad_accum"],
+            run["data"]["copy_repeats"]) == (512, micro, accum, 0.5)
     assert training_blocks(SimpleNamespace(overrides=[]), EXAMPLE_MHA8, TRAIN_TXT) == []
     assert re.search(r"training blocks: 128 tokens \(the config's\): .* removes \d% of its loss", capsys.readouterr().out)
     assert training_blocks(SimpleNamespace(overrides=["data.seq_len=256"]), copier, TRAIN_TXT) == []
