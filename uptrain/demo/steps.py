@@ -160,11 +160,10 @@ def one_micro_batch(args) -> list[str]:
     micro batch costs a fixed ~8 ms of operator dispatch on stories260K, 7% of a CPU step: results/quality-curve.md,
     round two, ninth part). None with CUDA (where the activations' memory is what accumulation saves) or where
     the user set batch.micro_batch or batch.grad_accum."""
-    import torch
-
     from uptrain.train.config import load_config
+    from uptrain.train.model.cpu_attention import cpu_run
 
-    if torch.cuda.is_available() or any(o.partition("=")[0] in ("batch.micro_batch", "batch.grad_accum")
+    if not cpu_run() or any(o.partition("=")[0] in ("batch.micro_batch", "batch.grad_accum")
                                         for o in args.overrides):
         return []
     batch = load_config(CONFIG, []).batch
@@ -271,8 +270,9 @@ def uptrain_step(args, source: Path, converted: Path, train_text: Path, valid_pa
     if cpu_attention(args):
         print("   bf16_attention=true: this CPU multiplies bfloat16, so the training attention runs by hand in "
               "bfloat16 (bf16_attention=false: SDPA in float32)", flush=True)
-    if one_micro_batch(args):
-        print(f"   {one_micro_batch(args)[0]} batch.grad_accum=1: on the CPU a step's blocks go in one micro batch "
+    merged = one_micro_batch(args)
+    if merged:
+        print(f"   {' '.join(merged)}: on the CPU a step's blocks go in one micro batch "
               "(the same step; accumulation only saves memory)", flush=True)
     overrides = uptrain_overrides(args, source, converted, train_text, valid_path, threads, run_dir, frame)
     return _train("uptrain", overrides, bool(resume), record, run_dir)

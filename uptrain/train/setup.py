@@ -32,6 +32,7 @@ from uptrain.train.plan.checked import (  # noqa: F401 (public here too)
 from uptrain.train.plan.folders import (  # noqa: F401 (public here too)
     ModelFacts, ModelFolders, check_models, final_model_dtype, resolve_models, vocab_difference,
 )
+from uptrain.train.model.cpu_attention import cpu_run
 from uptrain.train.model.trainable import param_shape
 
 
@@ -43,7 +44,7 @@ def make_accelerator(config: TrainConfig, run_dir: Path) -> Accelerator:
     as ACCELERATE_MIXED_PRECISION), else "no".
     """
     check_trackers(config.log.log_with)
-    cpu, handlers = not torch.cuda.is_available(), []
+    cpu, handlers = cpu_run(), []
     if cpu and _deepspeed_launch(os.environ):
         # cpu=True would make accelerate drop DeepSpeed (MULTI_CPU + DDP). With cpu=False and no
         # CUDA, accelerate finds no backend and counts 1 process while DeepSpeed sees the world:

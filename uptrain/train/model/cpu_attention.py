@@ -107,8 +107,13 @@ def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
+def cpu_run() -> bool:
+    """Whether a run here trains on the CPU: no CUDA device (the trainer's rule, `setup.make_accelerator`; the
+    demo's CPU-only choices, `suits_this_machine` and `demo.steps.one_micro_batch`, ask the same)."""
+    return not torch.cuda.is_available()
+
+
 def suits_this_machine() -> bool:
-    """`bf16_attention`'s automatic choice (the demo's): a run on the CPU (no CUDA: the trainer's own rule,
-    `setup.make_accelerator`) of a CPU that multiplies bfloat16 in hardware. Elsewhere unmeasured (without those
-    instructions bfloat16 is emulated)."""
-    return not torch.cuda.is_available() and cpu_multiplies_bf16()
+    """`bf16_attention`'s automatic choice (the demo's): a run on the CPU (`cpu_run`) of a CPU that multiplies
+    bfloat16 in hardware. Elsewhere unmeasured (without those instructions bfloat16 is emulated)."""
+    return cpu_run() and cpu_multiplies_bf16()
