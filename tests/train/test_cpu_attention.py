@@ -127,3 +127,41 @@ def test_the_cpu_check_reads_the_bfloat16_flags(flags, multiplies):
     assert cpu_multiplies_bf16(cpuinfo) is multiplies
     assert cpu_multiplies_bf16("processor\t: 0\nFeatures\t: fp asimd bf16\n") is False  # ARM: unmeasured, off
     assert cpu_multiplies_bf16("") is False
+
+
+def _converted_view_by_view(query, key, value, scale, dtype=torch.bfloat16):
+    """The grouped products with each layout change its own copy (the version before one converting copy each way)."""
+    from uptrain.train.model.cpu_attention import _diagonal_mask, query_chunk
+
+    b, h, t, d = query.shape
+    kv = key.size(1)
+    group = h // kv
+    q = query.transpose(1, 2).reshape(b, t, kv, group, d).permute(0, 2, 1, 3, 4).to(dtype).reshape(b, kv, t * group, d)
+    k, v = (key * scale).to(dtype), value.to(dtype)
+    outs, step = [], query_chunk(t)
+    for start in range(0, t, step):
+        end = min(start + step, t)
+        scores = torch.matmul(q[:, :, start * group:end * group], k[:, :, :end].transpose(-1, -2))
+        scores[..., start:end] += _diagonal_mask(end - start, group, dtype, query.device)
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), v[:, :, :end]))
+    out = torch.cat(outs, dim=2).view(b, kv, t, group, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    return out.to(query.dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 2, 128, 8), (2, 8, 8, 128, 8), (1, 8, 2, 512, 8), (1, 32, 8, 70, 16),
+                                   (1, 40, 8, 33, 8), (1, 64, 8, 130, 8)])
+def test_one_converting_copy_gives_the_same_numbers(shape):
+    """The attention's layout changes, one converting copy each way, change no bit of the output or of any gradient
+    (the demo's runs stay comparable across the change); queries, keys and values as transformers hands them over:
+    transposed views of [B, T, heads, D]."""
+    b, h, kv, t, d = shape
+    g = torch.Generator().manual_seed(t)
+    base = [torch.randn(b, t, n, d, generator=g) for n in (h, kv, kv)]
+    weight = torch.randn(b, h, t, d, generator=g)
+    results = []
+    for fn in (grouped_causal_attention, _converted_view_by_view):
+        leaves = [x.clone().requires_grad_() for x in base]
+        out = fn(*(x.transpose(1, 2) for x in leaves), d**-0.5)
+        (out * weight).sum().backward()
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    assert all(torch.equal(a, c) for a, c in zip(*results))

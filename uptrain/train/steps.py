@@ -30,7 +30,7 @@ from uptrain.convert.progress import progress_every
 from uptrain.train.report.eta import EtaTracker, ProgressLines, format_eta, plain_output
 from uptrain.train.stop.health import StepHealth, check_finite
 from uptrain.train.model.attention_match import attention_match_sum, attention_outputs
-from uptrain.train.model.losses import kd_loss_sum, lm_loss_sum
+from uptrain.train.model.losses import kd_and_lm_sums, kd_loss_sum, lm_loss_sum
 from uptrain.train.model.teacher_cache import TeacherCache
 from uptrain.stopping.codes import signal_name
 from uptrain.train.stop.preempt import Preempted, StopRequest, checkpoint_overruns, seconds_left
@@ -359,17 +359,21 @@ def _step_loss(run: Run, logits: torch.Tensor, ids: torch.Tensor,
     a graph: it is reported, not trained, and its backward through the [batch, seq, vocab] logits was ~2%
     of a CPU step on stories260K. The loss's value is the same expression either way."""
     d = run.config.distill
-    with torch.no_grad() if run.teacher is not None and d.alpha_kd == 1 else contextlib.nullcontext():
-        lm, _ = lm_loss_sum(logits, ids)
     if run.teacher is None:
+        lm, _ = lm_loss_sum(logits, ids)
         return lm, lm, torch.zeros((), device=lm.device)
     with torch.no_grad(), run.accelerator.autocast(), attention_outputs(run.teacher, on=bool(attention)) as targets:
         if run.teacher_cache is not None and not attention:  # a block read again: its targets from memory
             teacher_logits = run.teacher_cache.log_probs(ids, lambda: run.teacher(input_ids=ids).logits)
         else:
             teacher_logits = run.teacher(input_ids=ids).logits
-    with torch.no_grad() if d.alpha_kd == 0 else contextlib.nullcontext():
-        kd = kd_loss_sum(logits, teacher_logits, d.temperature)
+    if d.alpha_kd == 1 and d.temperature == 1:  # pure distillation (the no-data path): one log_softmax serves both
+        kd, lm = kd_and_lm_sums(logits, teacher_logits, ids)
+    else:
+        with torch.no_grad() if d.alpha_kd == 1 else contextlib.nullcontext():
+            lm, _ = lm_loss_sum(logits, ids)
+        with torch.no_grad() if d.alpha_kd == 0 else contextlib.nullcontext():
+            kd = kd_loss_sum(logits, teacher_logits, d.temperature)
     loss = d.alpha_kd * kd + (1 - d.alpha_kd) * lm
     if attention:  # the loss (what is trained) carries the matching; lm and kd stay what they name
         loss = loss + d.attention_match * attention_match_sum(attention, targets)

@@ -55,7 +55,10 @@ class TeacherCache:
         kept = [self.blocks.get(k) for k in keys]
         if all(k is not None for k in kept):
             self.hits += len(keys)
-            return torch.stack(kept).to(device=ids.device, dtype=torch.float32)
+            out = torch.empty((len(kept), *kept[0].shape), dtype=torch.float32, device=ids.device)
+            for row, block in zip(out, kept):  # one converting copy (stack, then convert: two passes)
+                row.copy_(block)
+            return out
         self.misses += len(keys)
         rounded = torch.log_softmax(forward().float(), dim=-1).to(torch.float16)
         for key, row in zip(keys, rounded.cpu()):
