@@ -59,10 +59,8 @@ def grouped_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     b, h, t, d = query.shape
     kv = key.size(1)
     group = h // kv
-    # one converting copy each way (a permuted .to() and a reshape were two): the same numbers
-    q = torch.empty(b, kv, t, group, d, dtype=dtype, device=query.device)
-    q.copy_(query.transpose(1, 2).reshape(b, t, kv, group, d).permute(0, 2, 1, 3, 4))
-    q = q.view(b, kv, t * group, d)  # row s * group + j: time s, query head kv_index * group + j
+    q = query.transpose(1, 2).reshape(b, t, kv, group, d).permute(0, 2, 1, 3, 4).to(dtype)
+    q = q.reshape(b, kv, t * group, d)  # row s * group + j: time s, query head kv_index * group + j
     k, v = (key * scale).to(dtype), value.to(dtype)
     step = query_chunk(t)
     outs = []
@@ -71,9 +69,8 @@ def grouped_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         scores = torch.matmul(q[:, :, start * group:end * group], k[:, :, :end].transpose(-1, -2))
         scores[..., start:end] += _diagonal_mask(end - start, group, dtype, query.device)
         outs.append(torch.matmul(torch.softmax(scores, dim=-1), v[:, :, :end]))
-    out = torch.empty(b, t, kv, group, d, dtype=query.dtype, device=query.device)
-    out.copy_(torch.cat(outs, dim=2).view(b, kv, t, group, d).permute(0, 2, 1, 3, 4))
-    return out.view(b, t, h, d).transpose(1, 2)
+    out = torch.cat(outs, dim=2).view(b, kv, t, group, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    return out.to(query.dtype).transpose(1, 2)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
